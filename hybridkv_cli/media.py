@@ -141,21 +141,6 @@ class MediaInput:
         extra = len(self.sources) - 1
         return first if extra == 0 else f"{first} + {extra} more"
 
-    def video_metadata(self) -> dict | None:
-        """Metadata for the transformers processor (``video_metadata=[m.video_metadata()]``).
-
-        transformers 5.x derives Qwen2.5-VL's ``second_per_grid_ts`` from
-        ``metadata.sampled_fps`` (= len(frames_indices) / total_num_frames * fps) and assumes
-        24 fps when no metadata is given; a ``fps`` entry in ``videos_kwargs`` is ignored.
-        The frames here are already sampled, so they are described as a clip of their own.
-        """
-        if self.kind != "video" or self.video is None:
-            return None
-        t = int(self.video.shape[0])
-        h, w = self.size
-        return {"total_num_frames": t, "fps": float(self.sample_fps or 2.0), "frames_indices": list(range(t)),
-                "width": w, "height": h, "duration": t / float(self.sample_fps or 2.0)}
-
     @property
     def size(self) -> tuple[int, int]:
         """(height, width) of every frame / of the first image."""

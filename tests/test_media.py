@@ -580,13 +580,3 @@ def test_sample_media_present_and_loadable():
     m = load_media([root / "images"])
     assert [p.name for p in m.sources] == ["blue_square.jpg", "green_triangle.webp", "red_circle.png"]
     assert_images_ok(m)
-
-
-def test_video_metadata_for_the_processor(vids):
-    m = load_media([vids["v100"]], frames=16, max_pixels=SMALL)
-    md = m.video_metadata()
-    # transformers: sampled_fps = len(frames_indices) / total_num_frames * fps -> second_per_grid_ts = 2 / that
-    assert len(md["frames_indices"]) / md["total_num_frames"] * md["fps"] == pytest.approx(m.sample_fps)
-    assert (md["height"], md["width"]) == tuple(m.video.shape[-2:])
-    img = make_image(vids["dir"] / "one.png")
-    assert load_media([img]).video_metadata() is None

@@ -1,0 +1,150 @@
+"""Glue to transformers: a ``Cache`` whose layers a policy compresses, and the attention function.
+
+The text attention of the model calls ``cache.update`` and then the function registered as
+``"hybridkv"``. At prefill that function runs stock SDPA over the full prompt, then hands the
+layer (queries included) to the policy, which replaces the full KV by its compressed form, so the
+peak prefill cache is one layer of full KV plus the compressed layers before it. At decode it
+asks the compressed layer for attention directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hybridkv_cli.compression.base import LayerKV, Policy, PrefillLayer
+from hybridkv_cli.compression.store import tensor_bytes
+
+ATTENTION_NAME = "hybridkv"
+
+# `generate()` rejects unknown kwargs, so the attention function finds the cache here.
+_active: contextvars.ContextVar["PolicyCache | None"] = contextvars.ContextVar("hybridkv_cache", default=None)
+
+
+class PolicyLayer(CacheLayerMixin):
+    """One layer: the full prompt KV until the policy compresses it, then the policy's ``LayerKV``."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self):
+        super().__init__()
+        self.kv: LayerKV | None = None
+        self.seen = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        if self.kv is not None:
+            if key_states.shape[-2] != 1:
+                raise RuntimeError("a compressed cache takes one new token per step")
+            self.kv.append(key_states[0], value_states[0])
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        # The logical length (tokens seen), not tokens kept: positions and masks depend on it.
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.kv, self.seen = None, 0
+
+
+class PolicyCache(Cache):
+    """The KV cache of one generation, owned by a compression policy.
+
+    Parameters
+    ----------
+    policy : Policy
+    num_layers : int
+    visual : BoolTensor [N]
+        Roles of the prompt tokens (see ``PrefillLayer.visual``).
+    """
+
+    def __init__(self, policy: Policy, num_layers: int, visual: torch.Tensor):
+        super().__init__(layers=[PolicyLayer() for _ in range(num_layers)])
+        self.policy = policy
+        self.visual = visual
+        self.prefill_peak_bytes = 0
+        self.compress_seconds = 0.0
+
+    def compress_layer(self, index: int, query, key, value, scale: float) -> None:
+        """Replace layer ``index``'s full prompt KV by the policy's compressed form."""
+        start = time.perf_counter()
+        full_bytes = tensor_bytes(key, value)
+        heads = key.shape[1]
+        prefill = PrefillLayer(
+            index=index,
+            query=query[0].unflatten(0, (heads, -1)),
+            keys=key[0],
+            values=value[0],
+            visual=self.visual.to(key.device),
+            scale=scale,
+        )
+        self.layers[index].kv = self.policy.compress(prefill)
+        # Peak while prefilling: this layer's full KV beside the layers compressed before it.
+        self.prefill_peak_bytes = max(self.prefill_peak_bytes, full_bytes + self.device_bytes())
+        self.compress_seconds += time.perf_counter() - start
+
+    def _compressed(self) -> list[LayerKV]:
+        return [layer.kv for layer in self.layers if layer.kv is not None]
+
+    def device_bytes(self) -> int:
+        return sum(kv.device_bytes() for kv in self._compressed())
+
+    def host_bytes(self) -> int:
+        return sum(kv.host_bytes() for kv in self._compressed())
+
+    def transferred_bytes(self) -> int:
+        return sum(kv.transferred_bytes() for kv in self._compressed())
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make this cache the one the registered attention function serves."""
+        token = _active.set(self)
+        try:
+            yield self
+        finally:
+            _active.reset(token)
+
+
+def policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function registered as ``"hybridkv"`` (see the module docstring)."""
+    cache = _active.get()
+    if cache is None:  # not generating through a PolicyCache (e.g. a plain forward): behave as SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    layer = cache.layers[module.layer_idx]
+    if layer.kv is None:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        cache.compress_layer(module.layer_idx, query, key, value, scaling)
+        return out
+    batch, q_heads, q_len, dim = query.shape
+    grouped = query[0, :, 0].reshape(key.shape[1], -1, dim)
+    out = layer.kv.attend(grouped, scaling)
+    return out.reshape(batch, q_len, q_heads, dim), None
+
+
+AttentionInterface.register(ATTENTION_NAME, policy_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def use_policy_attention(model) -> None:
+    """Route the text model's attention through the policy cache; the vision tower keeps SDPA."""
+    model.set_attn_implementation({"text_config": ATTENTION_NAME, "vision_config": "sdpa"})

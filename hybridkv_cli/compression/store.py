@@ -1,0 +1,120 @@
+"""The per-layer device store: one ragged segment of prompt entries per KV head, plus generated tokens.
+
+Every method keeps its device-resident prompt KV here, so one decode-attention kernel serves
+static heads (kept entries), dynamic heads (retrieval slots followed by the resident window) and
+the uncompressed cache alike. Generated tokens are the same for every head, so they live in one
+dense buffer beside the ragged rows rather than inside each segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv_kernels import ragged_decode_attention
+
+# Generated tokens are appended in blocks of this many rows: one reallocation per block, and at
+# most this much slack per head is ever allocated (and counted) beyond what was generated.
+GEN_BLOCK = 16
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class RaggedStore:
+    """Device KV of one layer.
+
+    Attributes
+    ----------
+    keys, values : Tensor [T, d]
+        Flat rows; KV head ``h`` owns rows ``offsets[h] : offsets[h] + lengths[h]``.
+    offsets, lengths : Tensor [H_kv] int64
+    gen_k, gen_v : Tensor [H_kv, capacity, d]
+        Generated tokens; the first ``n_gen`` rows are valid.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    gen_k: torch.Tensor
+    gen_v: torch.Tensor
+    n_gen: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        keep: torch.Tensor,
+        reserve: torch.Tensor | None = None,
+    ) -> "RaggedStore":
+        """Copy the kept prompt entries of every head into a fresh flat store.
+
+        Parameters
+        ----------
+        keys, values : Tensor [H_kv, N, d]
+            The layer's full prompt KV (post-RoPE keys).
+        keep : BoolTensor [H_kv, N]
+            Entries each head keeps, stored in position order.
+        reserve : LongTensor [H_kv], optional
+            Rows left in front of each head's kept entries (retrieval slots of dynamic heads).
+        """
+        heads, _, dim = keys.shape
+        device = keys.device
+        kept = keep.sum(dim=1)
+        if reserve is None:
+            reserve = torch.zeros(heads, dtype=torch.long, device=device)
+        lengths = reserve + kept
+        offsets = torch.cumsum(lengths, 0) - lengths
+        total = int(lengths.sum())
+
+        head_idx, pos_idx = keep.nonzero(as_tuple=True)
+        # Rank of each kept entry within its head: flat index minus where its head starts.
+        first = torch.cumsum(kept, 0) - kept
+        rank = torch.arange(head_idx.numel(), device=device) - first[head_idx]
+        rows = offsets[head_idx] + reserve[head_idx] + rank
+
+        flat_k = keys.new_zeros(total, dim)
+        flat_v = values.new_zeros(total, dim)
+        flat_k[rows] = keys[head_idx, pos_idx]
+        flat_v[rows] = values[head_idx, pos_idx]
+        empty = keys.new_zeros(heads, 0, dim)
+        return cls(flat_k, flat_v, offsets, lengths, empty, empty.clone())
+
+    @property
+    def num_heads(self) -> int:
+        return self.offsets.numel()
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Append one generated token per head (``key``/``value`` [H_kv, 1, d])."""
+        if self.n_gen == self.gen_k.shape[1]:
+            grow = key.new_zeros(self.num_heads, GEN_BLOCK, key.shape[-1])
+            self.gen_k = torch.cat([self.gen_k, grow], dim=1)
+            self.gen_v = torch.cat([self.gen_v, grow], dim=1)
+        self.gen_k[:, self.n_gen] = key[:, 0]
+        self.gen_v[:, self.n_gen] = value[:, 0]
+        self.n_gen += 1
+
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention of ``query`` [H_kv, G, d] over every head's entries and the generated tokens."""
+        return ragged_decode_attention(
+            query, self.keys, self.values, self.offsets, self.lengths,
+            self.gen_k, self.gen_v, self.n_gen, scale=scale,
+        )
+
+    def device_bytes(self) -> int:
+        return tensor_bytes(self.keys, self.values, self.offsets, self.lengths, self.gen_k, self.gen_v)
+
+    def host_bytes(self) -> int:
+        return 0
+
+    def transferred_bytes(self) -> int:
+        return 0
+
+    def entries(self) -> int:
+        """Prompt entries resident on the device (the quantity the budget bounds)."""
+        return int(self.lengths.sum())

@@ -1,0 +1,138 @@
+"""The result record (the JSON schema in README) and its human rendering."""
+
+from __future__ import annotations
+
+import statistics
+
+from rich.console import Console
+from rich.table import Table
+
+DEMO_NOTE = "demo model: randomly initialised weights, the answer is meaningless"
+
+
+def latency_stats(step_s: list[float]) -> dict:
+    """Mean, p50 and p90 of per-token decode latency in milliseconds (None without steps)."""
+    if not step_s:
+        return {"ms_per_token_mean": None, "p50": None, "p90": None}
+    ms = sorted(s * 1e3 for s in step_s)
+
+    def pct(q: float) -> float:
+        return ms[min(len(ms) - 1, round(q * (len(ms) - 1)))]
+
+    return {"ms_per_token_mean": statistics.fmean(ms), "p50": pct(0.5), "p90": pct(0.9)}
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render(result: dict, console: Console) -> None:
+    """Print the answer, then a compact table of the measurements."""
+    console.print(result["answer"], markup=False, highlight=False)
+    if result.get("note"):
+        console.print(f"[dim]({result['note']})[/dim]")
+    inp, dec, kv = result["input"], result["decode"], result["kv"]
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("input", f"{inp['label']}  ({inp['frames_used']} {'frames' if inp['kind'] == 'video' else 'images'})")
+    table.add_row("prompt", f"{inp['visual_tokens']} visual + {inp['text_tokens']} text tokens")
+    table.add_row("method", f"{result['method']}  budget {result['budget']:g}")
+    table.add_row("prefill", f"{result['prefill_s']:.3f} s")
+    if dec["ms_per_token_mean"] is not None:
+        table.add_row(
+            "decode",
+            f"{dec['tokens']} tokens, {dec['ms_per_token_mean']:.2f} ms/token (p50 {dec['p50']:.2f}, p90 {dec['p90']:.2f})",
+        )
+    else:
+        table.add_row("decode", f"{dec['tokens']} tokens")
+    table.add_row(
+        "KV memory",
+        f"device {human_bytes(kv['device_bytes'])}, host {human_bytes(kv['host_bytes'])}, "
+        f"full {human_bytes(kv['full_bytes'])} ({kv['ratio_vs_full']:.3f} of full)",
+    )
+    table.add_row("prefill peak", human_bytes(kv["prefill_peak_bytes"]))
+    if result.get("traffic"):
+        table.add_row("traffic", f"{human_bytes(round(result['traffic']['h2d_bytes_per_step_mean']))} host->device per step")
+    heads = result.get("heads")
+    if heads:
+        table.add_row(
+            "heads",
+            f"{heads['static']} static / {heads['dynamic']} dynamic "
+            f"({heads['static_share']:.0%} static); per layer: "
+            + " ".join(f"{s}/{d}" for s, d in zip(heads["per_layer"]["static"], heads["per_layer"]["dynamic"])),
+        )
+    table.add_row("model", f"{result['model']} on {result['device']} ({result['dtype']})")
+    console.print(table)
+
+
+def render_profile(result: dict, console: Console) -> None:
+    """Layer × head sparsity/classes, the budget allocation, and the budget sweep."""
+    heads = result["heads"]
+    per = heads["per_layer"]
+    if result.get("note"):
+        console.print(f"[dim]({result['note']})[/dim]")
+    inp = result["input"]
+    console.print(f"{inp['label']}: {inp['visual_tokens']} visual + {inp['text_tokens']} text tokens; "
+                  f"θ={heads['theta']:g}, p={heads['p']:g}, r={heads['r']:g}, chunk={heads['chunk_size']}")
+
+    classes = Table(title="sparsity score per KV head (S static, D dynamic)")
+    classes.add_column("layer", justify="right")
+    for h in range(len(per["sparsity"][0])):
+        classes.add_column(f"head {h}", justify="right")
+    for layer, (scores, entries) in enumerate(zip(per["sparsity"], per["entries"])):
+        cells = [f"[green]{s:.3f} S[/green]" if s >= heads["theta"] else f"[yellow]{s:.3f} D[/yellow]" for s in scores]
+        classes.add_row(str(layer), *cells)
+    console.print(classes)
+
+    alloc = Table(title=f"budget allocation at b={result['budget']:g} (entries per head)")
+    for col in ("layer", "static", "dynamic", "chunks/dyn head", "entries per head"):
+        alloc.add_column(col, justify="right")
+    for layer, (s, d, c, e) in enumerate(zip(per["static"], per["dynamic"], per["chunks_per_dynamic_head"], per["entries"])):
+        alloc.add_row(str(layer), str(s), str(d), str(c), " ".join(map(str, e)))
+    console.print(alloc)
+    console.print(f"budget {heads['budget_entries']} entries; rounding {heads['padding_entries']:+d} "
+                  f"({heads['padding_share']:+.1%})")
+
+    sweep = Table(title="budget sweep (fidelity = ROUGE-L vs the full-cache answer)")
+    for col in ("budget", "device KV", "host KV", "ratio vs full", "ms/token", "fidelity"):
+        sweep.add_column(col, justify="right")
+    ref = result["reference"]
+    sweep.add_row("full", human_bytes(ref["device_bytes"]), "-", "1.000", _ms(ref["ms_per_token_mean"]), "1.000")
+    for row in result["sweep"]:
+        sweep.add_row(f"{row['budget']:g}", human_bytes(row["device_bytes"]), human_bytes(row["host_bytes"]),
+                      f"{row['ratio_vs_full']:.3f}", _ms(row["ms_per_token_mean"]), f"{row['fidelity']:.3f}")
+    console.print(sweep)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def save_heatmap(heads: dict, path) -> None:
+    """PNG heatmap of the sparsity scores (layer × KV head), dynamic heads hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    scores = np.array(heads["per_layer"]["sparsity"])
+    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * scores.shape[1], 1.0 + 0.35 * scores.shape[0]))
+    im = ax.imshow(scores, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    for (layer, head), s in np.ndenumerate(scores):
+        ax.text(head, layer, f"{s:.2f}\n{'S' if s >= heads['theta'] else 'D'}", ha="center", va="center",
+                color="white" if s < 0.6 else "black", fontsize=7)
+    ax.set_xlabel("KV head")
+    ax.set_ylabel("layer")
+    ax.set_title(f"text-centric sparsity (static if ≥ {heads['theta']:g})", fontsize=9)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
