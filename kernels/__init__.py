@@ -1,0 +1,48 @@
+"""hybridkv_kernels: decode-path kernels of HybridKV, each beside its torch reference.
+
+Public ops (each takes ``backend="auto" | "torch" | "triton"``, see :mod:`.dispatch`):
+
+- :func:`ragged_decode_attention` -- split-KV decode attention over the per-head ragged store
+  plus generated tokens; :func:`dense_decode_attention` runs a full cache through it.
+- :func:`chunk_topk` -- landmark scores (max over the query group) and top-k chunk ids.
+- :func:`chunk_gather` -- load missing chunks from the host store into device slots.
+- :func:`window_scores` -- causal window attention + max-pooled scores (prefill; torch only).
+
+The folder ships as ``hybridkv_kernels`` (setuptools ``package-dir``): there is deliberately
+no top-level ``kernels`` import, which transformers would take for the hub-kernels library.
+triton is optional: nothing here imports it until a Triton kernel is first used.
+"""
+
+from .chunk_gather import chunk_gather, chunk_gather_torch, chunk_gather_triton, gather_plan
+from .chunk_topk import chunk_scores_torch, chunk_topk, chunk_topk_torch, chunk_topk_triton
+from .decode_attention import (
+    decode_split_heuristic,
+    dense_decode_attention,
+    ragged_decode_attention,
+    ragged_decode_attention_torch,
+    ragged_decode_attention_triton,
+)
+from .dispatch import BACKENDS, HAS_TRITON, resolve_backend, triton_interpreting
+from .window_scores import window_scores, window_scores_torch
+
+__all__ = [
+    "BACKENDS",
+    "HAS_TRITON",
+    "chunk_gather",
+    "chunk_gather_torch",
+    "chunk_gather_triton",
+    "chunk_scores_torch",
+    "chunk_topk",
+    "chunk_topk_torch",
+    "chunk_topk_triton",
+    "decode_split_heuristic",
+    "dense_decode_attention",
+    "gather_plan",
+    "ragged_decode_attention",
+    "ragged_decode_attention_torch",
+    "ragged_decode_attention_triton",
+    "resolve_backend",
+    "triton_interpreting",
+    "window_scores",
+    "window_scores_torch",
+]

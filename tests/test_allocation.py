@@ -72,8 +72,8 @@ def test_share_clipping_and_all_dynamic_layer_takes_whole_budget():
     p = plan([True, False, False, False], n=4096, budget=0.25, share=3.0)
     dyn_each = 4 * 0.25 * 4096 / 3
     assert p.chunks == nearest_power_of_two((dyn_each - 32) / 8)
-    all_dyn = plan([False] * 4, n=4096, budget=0.25)
-    assert all_dyn.chunks == nearest_power_of_two((0.25 * 4096 - 32) / 8)
+    all_dyn = plan([False] * 4, n=4096, budget=0.25)  # B̄ = 1024 entries per head, all dynamic
+    assert all_dyn.target - 4 * 8 < int(all_dyn.entries.sum()) <= all_dyn.target
 
 
 def test_budget_one_gives_every_head_everything():
@@ -115,3 +115,10 @@ def test_text_prior_keeps_every_text_token_before_any_visual():
     keep = text_prior_keep(pooled, visual, window, torch.tensor([window, window + 3]))
     assert keep[0, -window:].all() and keep[0].sum() == window
     assert keep[1, -window:].all() and not keep[1, visual].any()
+
+
+def test_rounding_never_overruns_an_all_dynamic_layer():
+    # 0.1 · 16384 = 1638.4 entries per head: 200.8 chunks would round up to 256 (2080 entries).
+    p = plan([False] * 4, n=16384, budget=0.1)
+    assert int(p.entries.sum()) <= p.target
+    assert p.target - int(p.entries.sum()) < 4 * 8  # what is left is less than one chunk per head

@@ -80,7 +80,8 @@ def plan_layer(
 
     Dynamic heads each get ``r·B̄`` (type total clipped to ``H·B̄``; all of ``B̄`` when the layer has
     no static head) as whole retrieval chunks, the chunk count rounded to the nearest power of
-    two; static heads share the remainder adaptively. What one type cannot use (more than N
+    two (down, where rounding up would overrun the layer budget); static heads share the remainder
+    adaptively. What one type cannot use (more than N
     per head) goes to the other type, so at b = 1 every head holds the whole prompt.
     """
     heads, n = pooled.shape
@@ -95,7 +96,11 @@ def plan_layer(
     chunks = 0
     if n_dyn:
         per_dyn = avg if n_stat == 0 else min(share * avg * n_dyn, heads * avg) / n_dyn
-        chunks = min(num_chunks, nearest_power_of_two((per_dyn - tail) / chunk))
+        wanted = (per_dyn - tail) / chunk
+        chunks = min(num_chunks, nearest_power_of_two(wanted))
+        if n_dyn * (chunks * chunk + tail) > target and chunks > 1:
+            # Rounding up would overrun the whole layer budget: round down instead.
+            chunks = min(chunks, 2 ** math.floor(math.log2(max(wanted, 1))))
     static_total = target - n_dyn * (chunks * chunk + tail)
     if n_stat:
         entries[static] = adaptive_split(pooled[static], static_total, alpha)

@@ -83,7 +83,8 @@ class PolicyCache(Cache):
         self.policy = policy
         self.visual = visual
         self.prefill_peak_bytes = 0
-        self.compress_seconds = 0.0
+        self.compress_seconds = 0.0  # classification, allocation, pruning, offload: all of compress()
+        self.attention_seconds = 0.0  # decode attention incl. retrieval (host clock: exact on CPU only)
 
     def compress_layer(self, index: int, query, key, value, scale: float) -> None:
         """Replace layer ``index``'s full prompt KV by the policy's compressed form."""
@@ -137,7 +138,9 @@ def policy_attention(module, query, key, value, attention_mask, scaling=None, dr
         return out
     batch, q_heads, q_len, dim = query.shape
     grouped = query[0, :, 0].reshape(key.shape[1], -1, dim)
+    start = time.perf_counter()
     out = layer.kv.attend(grouped, scaling)
+    cache.attention_seconds += time.perf_counter() - start
     return out.reshape(batch, q_len, q_heads, dim), None
 
 

@@ -1,0 +1,218 @@
+"""Load the chunks each dynamic head wants into its device slots, keeping hits.
+
+Layout
+------
+host_k, host_v    [H_dyn, C, c, d]  CPU (pinned when CUDA is available), one chunk contiguous
+store_k, store_v  [T, d]            the layer's flat device store
+slot_base         [H_dyn] int64     head i's slot s is rows slot_base[i] + s*c ... + c
+resident          [H_dyn, n] int64  chunk id held by each slot, -1 = empty (updated in place)
+want              [H_dyn, n] int64  the chunk set each head must hold after the call
+                                    (distinct ids in [0, C) per row, any order)
+
+Semantics (every backend)
+-------------------------
+A slot whose chunk is in ``want`` is a hit and is not touched. The other ("free") slots, in
+slot order, receive the wanted-but-not-resident ids, in ``want`` order. Bytes moved =
+misses x c x d x 2 (K and V) x host element size.
+
+The plan (which slot gets which chunk) is computed on the device with boolean [H, C] masks and
+two stable sorts, without a host sync; see :func:`gather_plan`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import load_triton_module, next_power_of_2, resolve_backend
+
+__all__ = [
+    "GATHER_AUTO_ZERO_COPY",
+    "chunk_gather",
+    "chunk_gather_torch",
+    "chunk_gather_triton",
+    "gather_plan",
+]
+
+# backend="auto" on CUDA uses the side-stream copy until the zero-copy kernel has been
+# validated and timed on a GPU (benchmarks/kernels_bench.py times both); flip to prefer it.
+GATHER_AUTO_ZERO_COPY = False
+
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _check(host_k, host_v, store_k, store_v, slot_base, resident, want):
+    if host_k.dim() != 4 or host_v.shape != host_k.shape:
+        raise ValueError(f"host_k/host_v must be [H, C, c, d], got {tuple(host_k.shape)}, "
+                         f"{tuple(host_v.shape)}")
+    H, C, c, d = host_k.shape
+    if store_k.dim() != 2 or store_k.shape[1] != d or store_v.shape != store_k.shape:
+        raise ValueError(f"store_k/store_v must be [T, {d}], got {tuple(store_k.shape)}")
+    if resident.dim() != 2 or resident.shape[0] != H:
+        raise ValueError(f"resident must be [{H}, n], got {tuple(resident.shape)}")
+    if want.shape != resident.shape:
+        raise ValueError(f"want must have resident's shape {tuple(resident.shape)}, got "
+                         f"{tuple(want.shape)}")
+    if not (host_k.is_contiguous() and host_v.is_contiguous()):
+        raise ValueError("host_k/host_v must be contiguous (a reshape would copy the host store)")
+    if slot_base.shape != (H,):
+        raise ValueError(f"slot_base must be [{H}], got {tuple(slot_base.shape)}")
+    if resident.dtype != torch.int64:
+        raise ValueError("resident must be int64 (updated in place)")
+
+
+def gather_plan(resident: torch.Tensor, want: torch.Tensor, n_chunks: int) -> torch.Tensor:
+    """Which chunk each slot must load.
+
+    Parameters
+    ----------
+    resident, want : Tensor [H, n] int64
+        Current slot contents (-1 = empty) and the wanted chunk set (distinct ids).
+    n_chunks : int
+        C, the number of chunks per head.
+
+    Returns
+    -------
+    Tensor [H, n] int64
+        ``assign[i, s]`` = chunk id to copy into slot s of head i, or -1 to leave it as is.
+        Free slots (not holding a wanted chunk), in slot order, are paired with the missing
+        ids, in ``want`` order; the pairing is a scatter, so no host sync is needed.
+    """
+    H, n = resident.shape
+    dev = resident.device
+    C = int(n_chunks)
+    want = want.to(device=dev, dtype=torch.int64)
+    res_idx = torch.where(resident >= 0, resident, C)  # column C absorbs empty slots
+    res_mask = torch.zeros(H, C + 1, dtype=torch.bool, device=dev).scatter_(1, res_idx, True)
+    want_mask = torch.zeros(H, C + 1, dtype=torch.bool, device=dev).scatter_(1, want, True)
+    want_mask[:, C] = False
+    hit = want_mask.gather(1, res_idx)  # [H, n] slot keeps its chunk
+    miss = ~res_mask.gather(1, want)  # [H, n] wanted id not resident
+    # stable sorts put free slots (slot order) and missing ids (want order) first;
+    # both counts are n - hits, so position j pairs them for j < n_miss
+    free_order = torch.argsort(hit.to(torch.int8), dim=1, stable=True)
+    miss_order = torch.argsort((~miss).to(torch.int8), dim=1, stable=True)
+    n_miss = miss.sum(dim=1, keepdim=True)
+    j = torch.arange(n, device=dev)
+    src = torch.where(j < n_miss, want.gather(1, miss_order), -1)
+    return torch.full_like(resident, -1).scatter_(1, free_order, src)
+
+
+def _side_stream(device: torch.device):
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
+
+
+def chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want):
+    """Torch path of :func:`chunk_gather` (the reference semantics; the CUDA default).
+
+    Copies only the missing chunks: one host ``index_select`` per tensor, then on CUDA into a
+    pinned staging buffer and ``copy_(non_blocking=True)`` on a side stream, K's DMA running
+    while the CPU gathers V; the compute stream waits on an event before the ``index_copy_``
+    into the store, and the host does not wait for the copy.
+    """
+    _check(host_k, host_v, store_k, store_v, slot_base, resident, want)
+    H, C, c, d = host_k.shape
+    dev = store_k.device
+    assign = gather_plan(resident, want, C)
+    sel = assign >= 0
+    rows, slots = sel.nonzero(as_tuple=True)  # the one host sync: the CPU must know what to copy
+    m = int(rows.numel())
+    if m:
+        ids = assign[rows, slots]
+        src_idx = (rows * C + ids).cpu()
+        base = slot_base.to(device=dev, dtype=torch.int64)[rows] + slots * c
+        dst = (base[:, None] + torch.arange(c, device=dev)).reshape(-1)  # [m * c] store rows
+        flat = [host_k.reshape(H * C, c, d), host_v.reshape(H * C, c, d)]
+        stores = [store_k, store_v]
+        if dev.type == "cuda":
+            main = torch.cuda.current_stream(dev)
+            side = _side_stream(dev)
+            bufs = []
+            for src, store in zip(flat, stores):
+                stage = torch.empty((m, c, d), dtype=src.dtype, pin_memory=True)
+                torch.index_select(src, 0, src_idx, out=stage)
+                with torch.cuda.stream(side):  # allocated in the side stream's pool
+                    buf = torch.empty((m, c, d), dtype=src.dtype, device=dev)
+                    buf.copy_(stage, non_blocking=True)
+                buf.record_stream(main)  # consumed on main: not reused before that finishes
+                bufs.append(buf)
+            main.wait_stream(side)
+            for buf, store in zip(bufs, stores):
+                store.index_copy_(0, dst, buf.view(m * c, d).to(store.dtype))
+        else:
+            for src, store in zip(flat, stores):
+                chunk = src.index_select(0, src_idx)
+                store.index_copy_(0, dst, chunk.view(m * c, d).to(device=dev, dtype=store.dtype))
+        resident.copy_(torch.where(sel, assign, resident))
+    return m * c * d * 2 * host_k.element_size()
+
+
+def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want):
+    """Zero-copy Triton path of :func:`chunk_gather` (see ``_chunk_gather_triton.py``).
+
+    On CUDA the host tensors must be pinned (read through UVA); under the interpreter every
+    tensor is on the CPU. The only host sync is the final miss count.
+    """
+    _check(host_k, host_v, store_k, store_v, slot_base, resident, want)
+    resolve_backend("triton", store_k)
+    if store_k.is_cuda and not (host_k.is_pinned() and host_v.is_pinned()):
+        raise ValueError("zero-copy chunk_gather needs pinned host_k/host_v")
+    H, C, c, d = host_k.shape
+    n = resident.shape[1]
+    if host_k.dtype != store_k.dtype or host_v.dtype != store_v.dtype:
+        raise ValueError("zero-copy chunk_gather needs host and store of the same dtype")
+    if host_k.stride(-1) != 1 or host_v.stride(-1) != 1 or store_k.stride(-1) != 1 \
+            or store_v.stride(-1) != 1:
+        raise ValueError("zero-copy chunk_gather needs unit stride along d")
+    mod = load_triton_module("_chunk_gather_triton")
+    dev = store_k.device
+    assign = gather_plan(resident, want, C).contiguous()
+    base = slot_base.to(device=dev, dtype=torch.int64).contiguous()
+    if H and n:
+        mod.chunk_gather_kernel[(H, n)](
+            host_k, host_v, store_k, store_v, base, assign, c, d,
+            host_k.stride(0), host_k.stride(1), host_k.stride(2),
+            host_v.stride(0), host_v.stride(1), host_v.stride(2),
+            store_k.stride(0), store_v.stride(0), assign.stride(0),
+            BLOCK_T=next_power_of_2(c), BLOCK_D=max(16, next_power_of_2(d)), num_warps=4,
+        )
+    sel = assign >= 0
+    resident.copy_(torch.where(sel, assign, resident))
+    return int(sel.sum().item()) * c * d * 2 * host_k.element_size()
+
+
+def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, backend="auto"):
+    """Make each dynamic head's device slots hold exactly its wanted chunks.
+
+    Parameters
+    ----------
+    host_k, host_v : Tensor [H_dyn, C, c, d]
+        Offloaded prompt K/V of the dynamic heads (CPU; pinned when CUDA is available).
+    store_k, store_v : Tensor [T, d]
+        The layer's flat device store; slots are written in place.
+    slot_base : Tensor [H_dyn] int64
+        First store row of each head's slots (slot s = rows ``slot_base + s*c`` ... ``+ c``).
+    resident : Tensor [H_dyn, n] int64
+        Chunk id held by each slot, -1 = empty; updated in place.
+    want : Tensor [H_dyn, n] int64
+        The chunk set to hold (distinct ids in [0, C) per row, any order), e.g. from
+        :func:`chunk_topk` (then n = min(k, C)).
+    backend : {"auto", "torch", "triton"}
+        "triton" is the zero-copy kernel. "auto" on CUDA picks the side-stream torch copy
+        unless ``GATHER_AUTO_ZERO_COPY`` is set (zero-copy not yet validated on a GPU).
+
+    Returns
+    -------
+    int
+        Bytes moved host -> device: misses x c x d x 2 x element size. 0 when every wanted
+        chunk is already resident.
+    """
+    name = resolve_backend(backend, store_k)
+    if name == "triton" and store_k.is_cuda and backend == "auto":
+        if not (GATHER_AUTO_ZERO_COPY and host_k.is_pinned() and host_v.is_pinned()):
+            name = "torch"
+    if name == "triton":
+        return chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want)
+    return chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want)

@@ -1,0 +1,142 @@
+"""Chunk retrieval scores and top-k selection for dynamic heads.
+
+Chunk score = max over the G query heads of a KV head of ``q . landmark`` (fp32; int8
+landmarks are dequantised as ``int8 * landmark_scale``). The top ``min(k, C)`` chunk ids per
+head are returned sorted ascending.
+
+Ties: every backend breaks ties the same way -- among equal scores the lowest chunk id wins
+(-0.0 equals +0.0). Scores computed by different backends can still differ in the last bits
+(summation order), which can change the choice between near-equal chunks; compare selected
+score multisets, not ids, across backends. NaN scores give an unspecified selection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
+
+__all__ = [
+    "chunk_scores_torch",
+    "chunk_topk",
+    "chunk_topk_torch",
+    "chunk_topk_triton",
+]
+
+
+def _check(q, landmarks, landmark_scale):
+    if q.dim() != 3 or landmarks.dim() != 3 or q.shape[0] != landmarks.shape[0] \
+            or q.shape[2] != landmarks.shape[2]:
+        raise ValueError(f"q must be [H, G, d] and landmarks [H, C, d], got {tuple(q.shape)}, "
+                         f"{tuple(landmarks.shape)}")
+    if landmarks.dtype == torch.int8 and landmark_scale is None:
+        raise ValueError("int8 landmarks need landmark_scale [H, C]")
+    if landmark_scale is not None and landmark_scale.shape != landmarks.shape[:2]:
+        raise ValueError(f"landmark_scale must be {tuple(landmarks.shape[:2])}, got "
+                         f"{tuple(landmark_scale.shape)}")
+
+
+def chunk_scores_torch(q, landmarks, landmark_scale=None):
+    """Chunk scores [H, C] fp32: ``max_g q[h, g] . landmarks[h, c]`` (x ``landmark_scale``).
+
+    Materialises [H, G, C] fp32 scores and an fp32 copy of the landmarks (1/16 of a head's
+    KV at c = 8): small next to the store.
+    """
+    _check(q, landmarks, landmark_scale)
+    s = torch.matmul(q.float(), landmarks.float().transpose(1, 2))  # [H, G, C]
+    if landmark_scale is not None:
+        s.mul_(landmark_scale.float()[:, None, :])  # per g, before the max (scale sign)
+    return s.amax(dim=1)
+
+
+def _topk_ids_from_scores(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids [H, min(k, C)] of the largest scores, ascending; ties -> lowest id."""
+    H, C = scores.shape
+    kk = min(int(k), C)
+    if kk <= 0:
+        return torch.empty(H, 0, dtype=torch.int64, device=scores.device)
+    scores = scores + 0.0  # -0.0 -> +0.0 (== already treats them equal; keep it explicit)
+    kth = scores.topk(kk, dim=1).values[:, -1:]  # [H, 1] the k-th largest value
+    gt = scores > kth
+    eq = scores == kth
+    need = kk - gt.sum(dim=1, keepdim=True)
+    sel = gt | (eq & (eq.cumsum(dim=1) <= need))  # exactly kk per row
+    ids = torch.arange(C, device=scores.device).expand(H, C)
+    return ids[sel].view(H, kk)  # boolean indexing keeps row-major order -> ascending
+
+
+def chunk_topk_torch(q, landmarks, k, landmark_scale=None):
+    """Torch reference of :func:`chunk_topk`."""
+    return _topk_ids_from_scores(chunk_scores_torch(q, landmarks, landmark_scale), k)
+
+
+def chunk_topk_triton(q, landmarks, k, landmark_scale=None, *, block_c=None, block_select=None,
+                      return_scores=False):
+    """Triton launcher of :func:`chunk_topk`: a scores kernel over (head, chunk block), then one
+    selection program per head.
+
+    Parameters (beyond the op's)
+    ----------------------------
+    block_c, block_select : int, optional
+        Chunk block of the scores kernel (default 64) and of the selection loop (default
+        min(1024, next_pow2(C))); tests use small ones to cover several blocks.
+    return_scores : bool
+        Also return the fp32 scores [H, C].
+    """
+    _check(q, landmarks, landmark_scale)
+    resolve_backend("triton", q, landmarks)  # clear error when the interpreter is not active
+    mod = load_triton_module("_chunk_topk_triton")
+    H, G, d = q.shape
+    C = landmarks.shape[1]
+    kk = min(int(k), C)
+    dev = q.device
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    landmarks = landmarks if landmarks.stride(-1) == 1 else landmarks.contiguous()
+    scores = torch.empty(H, C, dtype=torch.float32, device=dev)
+    ids = torch.empty(H, max(kk, 0), dtype=torch.int64, device=dev)
+    if H == 0 or C == 0:
+        return (ids, scores) if return_scores else ids
+    has_scale = landmark_scale is not None
+    sc = landmark_scale.float().contiguous() if has_scale else scores  # dummy pointer
+    block_c = max(16, next_power_of_2(block_c or 64))
+    BLOCK_D = max(16, next_power_of_2(d))
+    mod.chunk_scores_kernel[(H, cdiv(C, block_c))](
+        q, landmarks, sc, scores, G, C, d,
+        q.stride(0), q.stride(1), landmarks.stride(0), landmarks.stride(1), sc.stride(0),
+        scores.stride(0),
+        HAS_SCALE=has_scale, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_C=block_c,
+        BLOCK_D=BLOCK_D, num_warps=4,
+    )
+    if kk > 0:
+        block_s = next_power_of_2(block_select or min(1024, C))
+        mod.topk_select_kernel[(H,)](
+            scores, ids, C, kk, scores.stride(0), ids.stride(0),
+            BLOCK=block_s, num_warps=4 if block_s <= 1024 else 8,
+        )
+    return (ids, scores) if return_scores else ids
+
+
+
+def chunk_topk(q, landmarks, k, landmark_scale=None, backend="auto"):
+    """Top-k chunks per dynamic head by landmark score.
+
+    Parameters
+    ----------
+    q : Tensor [H_dyn, G, d]
+        Post-RoPE decode queries of the dynamic heads, grouped by KV head.
+    landmarks : Tensor [H_dyn, C, d]
+        Per-chunk mean keys; float, or int8 with ``landmark_scale``.
+    k : int
+        Chunks wanted per head; ``min(k, C)`` are returned.
+    landmark_scale : Tensor [H_dyn, C] fp32, optional
+        Dequantisation scale of int8 landmarks (``int8 * scale``).
+    backend : {"auto", "torch", "triton"}
+
+    Returns
+    -------
+    Tensor [H_dyn, min(k, C)] int64
+        Chunk ids, sorted ascending per head. Ties: lowest id wins (see module docstring).
+    """
+    if resolve_backend(backend, q, landmarks) == "triton":
+        return chunk_topk_triton(q, landmarks, k, landmark_scale)
+    return chunk_topk_torch(q, landmarks, k, landmark_scale)

@@ -1,0 +1,269 @@
+"""Decode attention over the ragged per-head KV store (+ generated tokens).
+
+Three pieces, as in FlagAttention: the torch reference
+(:func:`ragged_decode_attention_torch`), the Triton launcher with its heuristics
+(:func:`ragged_decode_attention_triton`; kernels in ``_decode_attention_triton.py``), and the
+public op (:func:`ragged_decode_attention`) that dispatches between them.
+
+Layout (batch size 1)
+---------------------
+q                 [H_kv, G, d]   one decode step, query head j -> KV head j // G, post-RoPE
+keys, values      [T, d]         flat store; KV head h owns rows offsets[h] : offsets[h]+lengths[h]
+offsets, lengths  [H_kv] int64   on the store's device; a head may have length 0
+gen_k, gen_v      [H_kv, cap, d] generated tokens, the first ``n_gen`` rows are valid
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from .dispatch import load_triton_module, next_power_of_2, resolve_backend
+
+__all__ = [
+    "dense_decode_attention",
+    "ragged_decode_attention",
+    "ragged_decode_attention_torch",
+    "ragged_decode_attention_triton",
+    "decode_split_heuristic",
+]
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 128  # merge kernel loads all splits of a head in one block
+
+
+def _check(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [H_kv, G, d], got {tuple(q.shape)}")
+    H, _, d = q.shape
+    if keys.dim() != 2 or keys.shape != values.shape or keys.shape[1] != d:
+        raise ValueError(f"keys/values must both be [T, {d}], got {tuple(keys.shape)}, "
+                         f"{tuple(values.shape)}")
+    if offsets.shape != (H,) or lengths.shape != (H,):
+        raise ValueError(f"offsets/lengths must be [{H}], got {tuple(offsets.shape)}, "
+                         f"{tuple(lengths.shape)}")
+    if n_gen < 0:
+        raise ValueError(f"n_gen must be >= 0, got {n_gen}")
+    if n_gen > 0:
+        if gen_k is None or gen_v is None:
+            raise ValueError("n_gen > 0 needs gen_k and gen_v")
+        if gen_k.dim() != 3 or gen_k.shape[0] != H or gen_k.shape[2] != d \
+                or gen_v.shape != gen_k.shape or gen_k.shape[1] < n_gen:
+            raise ValueError(f"gen_k/gen_v must be [{H}, cap >= {n_gen}, {d}], got "
+                             f"{tuple(gen_k.shape)}, {tuple(gen_v.shape)}")
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None,
+                                  n_gen=0, scale=None):
+    """Torch reference of :func:`ragged_decode_attention` (also the CPU production path).
+
+    Softmax in fp32; the two matmuls run in the input dtype (fp32 accumulation inside the
+    BLAS) so no fp32 copy of the store is made. With bf16/fp16 inputs the scores are therefore
+    rounded to the input dtype before the softmax, as in Hugging Face's eager attention; the
+    Triton kernel keeps them in fp32 (the tests compare it with this function on fp32 copies).
+
+    It loops over KV heads (4 for Qwen2.5-VL-7B) on *views* of the store: the vectorised
+    alternative would gather every head's rows into a padded [H_kv, max_len, d] tensor, i.e.
+    copy the whole KV cache each step; the op is bandwidth-bound, so that copy would about
+    double its cost. It needs ``lengths``/``offsets`` on the host (one sync on CUDA).
+    """
+    _check(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen)
+    H, G, d = q.shape
+    scale = d ** -0.5 if scale is None else float(scale)
+    offs = offsets.tolist()
+    lens = lengths.tolist()
+    out = torch.zeros(H, G, d, dtype=torch.float32, device=q.device)
+    for h in range(H):
+        ks, vs = [], []
+        if lens[h] > 0:
+            ks.append(keys[offs[h]:offs[h] + lens[h]])
+            vs.append(values[offs[h]:offs[h] + lens[h]])
+        if n_gen > 0:
+            ks.append(gen_k[h, :n_gen])
+            vs.append(gen_v[h, :n_gen])
+        if not ks:
+            continue  # empty head -> zeros
+        qh = q[h].to(keys.dtype)
+        # scores of the parts side by side ([G, len] each, small), one softmax over both
+        s = torch.cat([(qh @ k.T).float() for k in ks], dim=-1).mul_(scale)
+        p = torch.softmax(s, dim=-1)
+        o, start = out[h], 0
+        for v in vs:
+            o += (p[:, start:start + v.shape[0]].to(v.dtype) @ v).float()
+            start += v.shape[0]
+    return out.to(q.dtype)
+
+
+# --------------------------------------------------------------------------- triton
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_split_heuristic(max_total: int, n_heads: int, block_n: int,
+                           device=None) -> tuple[int, int]:
+    """Split count and split length (tokens, multiple of ``block_n``) for the split-KV pass.
+
+    Aim for about two programs per SM over all KV heads (H_kv is small: 4 for 7B, so one
+    program per head would leave >95% of an H200 idle), but keep >= 4 blocks per split so
+    the online-softmax loop amortises the q load and the partial-output write, and at most
+    ``_MAX_SPLITS`` splits (one block in the merge kernel).
+
+    Returns
+    -------
+    (num_splits, split_len) : tuple[int, int]
+    """
+    if device is not None and torch.device(device).type == "cuda":
+        idx = torch.device(device).index
+        sms = _sm_count(torch.cuda.current_device() if idx is None else idx)
+    else:
+        sms = 8  # interpreter / unknown: a few splits, enough to exercise the merge
+    max_total = max(int(max_total), 1)
+    target = max(1, math.ceil(2 * sms / max(n_heads, 1)))
+    by_len = math.ceil(max_total / (4 * block_n))
+    splits = max(1, min(target, by_len, _MAX_SPLITS))
+    split_len = math.ceil(math.ceil(max_total / splits) / block_n) * block_n
+    return math.ceil(max_total / split_len), split_len
+
+
+def ragged_decode_attention_triton(q, keys, values, offsets, lengths, gen_k=None, gen_v=None,
+                                   n_gen=0, scale=None, *, max_length=None, num_splits=None,
+                                   block_n=None):
+    """Triton launcher of :func:`ragged_decode_attention` (split-KV + LSE merge).
+
+    Parameters (beyond the op's)
+    ----------------------------
+    max_length : int, optional
+        An upper bound on ``lengths.max()`` known on the host (avoids a device sync); rows
+        beyond it would be ignored.
+    num_splits, block_n : int, optional
+        Override the heuristics (tests use this to force several splits and blocks).
+    """
+    _check(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen)
+    H, G, d = q.shape
+    dev = q.device
+    resolve_backend("triton", q, keys)  # clear error when the interpreter is not active
+    mod = load_triton_module("_decode_attention_triton")
+    scale = d ** -0.5 if scale is None else float(scale)
+
+    def _lastdim(t):  # kernels assume unit stride along d
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    out_dtype = q.dtype
+    # tl.dot wants one operand dtype: bring q and the generated rows to the store's
+    q = _lastdim(q.to(keys.dtype))
+    keys, values = _lastdim(keys), _lastdim(values.to(keys.dtype))
+    if n_gen > 0:
+        gen_k, gen_v = _lastdim(gen_k.to(keys.dtype)), _lastdim(gen_v.to(keys.dtype))
+    else:  # dummies: the generated loop runs zero times
+        gen_k = gen_v = keys.new_empty(H, 1, d)
+    offsets = offsets.to(device=dev, dtype=torch.int64)
+    lengths = lengths.to(device=dev, dtype=torch.int64)
+
+    BLOCK_D = max(16, next_power_of_2(d))
+    BLOCK_G = max(16, next_power_of_2(G))  # tl.dot needs M >= 16
+    if block_n is None:
+        block_n = 64 if BLOCK_D <= 128 else 32
+    block_n = max(16, next_power_of_2(block_n))
+    if max_length is None:
+        max_length = int(lengths.max().item()) if H > 0 else 0
+    max_total = int(max_length) + int(n_gen)
+    if num_splits is None:
+        num_splits, split_len = decode_split_heuristic(max_total, H, block_n, dev)
+    else:
+        num_splits = max(1, min(int(num_splits), _MAX_SPLITS))
+        split_len = math.ceil(math.ceil(max(max_total, 1) / num_splits) / block_n) * block_n
+        num_splits = math.ceil(max(max_total, 1) / split_len)
+
+    o_part = torch.empty(H, num_splits, G, d, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(H, num_splits, G, dtype=torch.float32, device=dev)
+    out = torch.empty(H, G, d, dtype=out_dtype, device=dev)
+    if H == 0:
+        return out
+    upcast = mod.INTERPRET and keys.dtype == torch.bfloat16
+    prec = "ieee" if keys.dtype == torch.float32 else "tf32"
+    mod.ragged_decode_stage1_kernel[(H, num_splits)](
+        q, keys, values, gen_k, gen_v, offsets, lengths, o_part, lse_part,
+        int(n_gen), split_len, scale * _LOG2E, G, d,
+        q.stride(0), q.stride(1),
+        keys.stride(0), values.stride(0),
+        gen_k.stride(0), gen_k.stride(1), gen_v.stride(0), gen_v.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        BLOCK_G=BLOCK_G, BLOCK_N=block_n, BLOCK_D=BLOCK_D, UPCAST=upcast, PREC=prec,
+        num_warps=4,
+    )
+    mod.merge_splits_kernel[(H, G)](
+        o_part, lse_part, out, num_splits, d,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_S=next_power_of_2(num_splits), BLOCK_D=BLOCK_D,
+        num_warps=4,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- public
+
+
+def ragged_decode_attention(q, keys, values, offsets, lengths, gen_k=None, gen_v=None, n_gen=0,
+                            scale=None, backend="auto", *, max_length=None):
+    """Softmax attention of one decode step over each KV head's ragged rows + generated rows.
+
+    Parameters
+    ----------
+    q : Tensor [H_kv, G, d]
+        Post-RoPE queries grouped by KV head (query head j belongs to KV head j // G).
+    keys, values : Tensor [T, d]
+        Flat ragged store of one layer.
+    offsets, lengths : Tensor [H_kv] int64
+        Head h attends to rows ``offsets[h] : offsets[h] + lengths[h]`` (length 0 allowed).
+    gen_k, gen_v : Tensor [H_kv, cap, d], optional
+        Generated tokens; the first ``n_gen`` rows are attended by every head.
+    n_gen : int
+        Number of valid generated rows (0 allowed).
+    scale : float, optional
+        Softmax scale, default ``d ** -0.5``.
+    backend : {"auto", "torch", "triton"}
+        See :mod:`hybridkv_kernels.dispatch`.
+    max_length : int, optional
+        An upper bound on ``max(lengths)`` known on the host; lets the Triton path size its
+        grid without a device sync (rows beyond it would be ignored).
+
+    Returns
+    -------
+    Tensor [H_kv, G, d]
+        In q's dtype. A head with no rows at all (length 0 and n_gen 0) gets zeros.
+    """
+    if resolve_backend(backend, q, keys) == "triton":
+        return ragged_decode_attention_triton(q, keys, values, offsets, lengths, gen_k, gen_v,
+                                              n_gen, scale, max_length=max_length)
+    return ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen,
+                                         scale)
+
+
+def dense_decode_attention(q, k, v, gen_k=None, gen_v=None, n_gen=0, scale=None, backend="auto"):
+    """Full-cache decode attention through the same op (every head has all N prompt rows).
+
+    Parameters
+    ----------
+    q : Tensor [H_kv, G, d]
+    k, v : Tensor [H_kv, N, d]
+        The full prompt cache; viewed (no copy when contiguous) as a flat store with
+        ``offsets = h * N`` and ``lengths = N``.
+    gen_k, gen_v, n_gen, scale, backend
+        As in :func:`ragged_decode_attention`.
+    """
+    H, N, d = k.shape
+    offsets = torch.arange(H, device=k.device, dtype=torch.int64) * N
+    lengths = torch.full((H,), N, device=k.device, dtype=torch.int64)
+    return ragged_decode_attention(q, k.reshape(H * N, d), v.reshape(H * N, d), offsets, lengths,
+                                   gen_k, gen_v, n_gen, scale, backend, max_length=N)

@@ -1,0 +1,187 @@
+"""Triton kernels against their torch references.
+
+Runs under the Triton interpreter on CPU (``TRITON_INTERPRET=1`` must be set before triton is
+first imported; ``test_kernels.py::test_triton_kernels_under_interpreter`` starts this file in
+such a subprocess) or compiled when CUDA is available. Shapes are small: the interpreter is
+~100x slower than torch. Block sizes and split counts are forced small so that several blocks,
+splits and partial blocks are exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridkv_kernels as hk
+from hybridkv_kernels.testing import assert_close
+
+if not hk.HAS_TRITON:
+    pytest.skip("triton not installed", allow_module_level=True)
+INTERPRET = hk.triton_interpreting()
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 before triton is imported (run by "
+                "test_kernels.py::test_triton_kernels_under_interpreter)", allow_module_level=True)
+
+DEV = torch.device("cpu" if INTERPRET else "cuda")
+
+
+def _store(lengths, d, dtype, gap=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    offsets, row = [], gap
+    for n in lengths:
+        offsets.append(row)
+        row += n + gap
+    keys = torch.randn(row, d, generator=g).to(dtype)
+    values = torch.randn(row, d, generator=g).to(dtype)
+    return keys.to(DEV), values.to(DEV), torch.tensor(offsets, device=DEV), \
+        torch.tensor(lengths, device=DEV)
+
+
+def _f32(*ts):
+    return [None if t is None else t.float() for t in ts]
+
+
+# --------------------------------------------------------------------------- decode attention
+
+LENGTHS = [1, 7, 0, 33, 130]
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-4), (torch.float16, 1e-2),
+                                        (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("G", [1, 2, 7])
+@pytest.mark.parametrize("n_gen", [0, 5])
+def test_ragged_decode_attention(dtype, rtol, G, n_gen):
+    d = 32
+    keys, values, offsets, lengths = _store(LENGTHS, d, dtype)
+    H = len(LENGTHS)
+    q = torch.randn(H, G, d).to(dtype).to(DEV)
+    gen_k = torch.randn(H, 8, d).to(dtype).to(DEV)
+    gen_v = torch.randn(H, 8, d).to(dtype).to(DEV)
+    # bf16 under the interpreter goes through the in-kernel fp32 cast (UPCAST)
+    out = hk.ragged_decode_attention_triton(q, keys, values, offsets, lengths, gen_k, gen_v,
+                                            n_gen, num_splits=3, block_n=16)
+    assert out.dtype == dtype and out.shape == (H, G, d)
+    ref = hk.ragged_decode_attention_torch(*_f32(q, keys, values), offsets, lengths,
+                                           *_f32(gen_k, gen_v), n_gen)
+    assert_close(ref, out, rtol, f"{dtype} G={G} n_gen={n_gen}")
+    if n_gen == 0:
+        assert torch.count_nonzero(out[2]) == 0  # empty head -> zeros, not NaN
+
+
+def test_ragged_decode_default_heuristics_and_odd_d():
+    d, G = 24, 7  # d not a power of two: padded to 32 and masked
+    keys, values, offsets, lengths = _store([130, 0, 33], d, torch.float16, seed=1)
+    q = torch.randn(3, G, d).half().to(DEV)
+    gk = torch.randn(3, 4, d).half().to(DEV)
+    out = hk.ragged_decode_attention(q, keys, values, offsets, lengths, gk, gk, 4,
+                                     scale=0.2, backend="triton")
+    ref = hk.ragged_decode_attention_torch(*_f32(q, keys, values), offsets, lengths,
+                                           *_f32(gk, gk), 4, scale=0.2)
+    assert_close(ref, out, 1e-2)
+
+
+def test_ragged_decode_empty_store():
+    d, H, G = 16, 3, 2
+    keys, values, offsets, lengths = _store([0, 0, 0], d, torch.float32)
+    q = torch.randn(H, G, d, device=DEV)
+    out = hk.ragged_decode_attention_triton(q, keys, values, offsets, lengths, num_splits=2)
+    assert torch.equal(out, torch.zeros_like(out))
+    gk, gv = torch.randn(H, 4, d, device=DEV), torch.randn(H, 4, d, device=DEV)
+    out = hk.ragged_decode_attention_triton(q, keys, values, offsets, lengths, gk, gv, 3)
+    ref = hk.ragged_decode_attention_torch(q, keys, values, offsets, lengths, gk, gv, 3)
+    assert_close(ref, out, 1e-4)
+
+
+def test_dense_decode_attention():
+    H, G, N, d = 2, 7, 40, 32
+    q, k, v = (torch.randn(H, G, d, device=DEV), torch.randn(H, N, d, device=DEV),
+               torch.randn(H, N, d, device=DEV))
+    assert_close(hk.dense_decode_attention(q, k, v, backend="torch"),
+                 hk.dense_decode_attention(q, k, v, backend="triton"), 1e-4)
+
+
+# --------------------------------------------------------------------------- chunk top-k
+
+
+@pytest.mark.parametrize("G,C,k,kind", [
+    (1, 37, 5, "float"), (7, 37, 100, "float"), (7, 300, 64, "int8"), (2, 300, 299, "fp16"),
+    (7, 100, 17, "bf16"), (7, 2500, 300, "int8"),
+])
+def test_chunk_topk(G, C, k, kind):
+    H, d = 3, 32
+    q = torch.randn(H, G, d)
+    lm = torch.randn(H, C, d)
+    scale = None
+    if kind == "int8":
+        lm = torch.randint(-127, 128, (H, C, d), dtype=torch.int8)
+        scale = (torch.rand(H, C) * 0.02).to(DEV)
+    elif kind in ("fp16", "bf16"):  # scored in fp32 in-kernel (also right under the interpreter)
+        dt = torch.float16 if kind == "fp16" else torch.bfloat16
+        q, lm = q.to(dt), lm.to(dt)
+    q, lm = q.to(DEV), lm.to(DEV)
+    ids, scores = hk.chunk_topk_triton(q, lm, k, scale, block_c=64,
+                                       block_select=None if C > 1000 else 64, return_scores=True)
+    ref_scores = hk.chunk_scores_torch(q, lm, scale)
+    ref_ids = hk.chunk_topk(q, lm, k, scale, backend="torch")
+    assert_close(ref_scores, scores, 1e-5)
+    assert ids.shape == ref_ids.shape == (H, min(k, C)) and ids.dtype == torch.int64
+    assert torch.all(ids[:, 1:] > ids[:, :-1])  # ascending and distinct
+    # near-ties may differ in the last bits between backends: compare the chosen scores
+    assert_close(ref_scores.gather(1, ref_ids).sort(1).values,
+                 ref_scores.gather(1, ids).sort(1).values, 1e-5)
+
+
+def test_chunk_topk_ties_match_reference_exactly():
+    H, G, C, d = 3, 7, 70, 16
+    g = torch.Generator().manual_seed(0)
+    # small integers: every product and sum is exact, so scores tie exactly and repeatedly
+    lm = torch.randint(-2, 3, (H, C, d), generator=g).float().to(DEV)
+    q = torch.randint(-1, 2, (H, G, d), generator=g).float().to(DEV)
+    lm[:, 0] = 0.0
+    lm[:, 1] = -0.0
+    for k in (1, 9, 33, 70):
+        ids = hk.chunk_topk_triton(q, lm, k, block_c=16, block_select=32)
+        assert torch.equal(ids, hk.chunk_topk(q, lm, k, backend="torch")), k
+
+
+# --------------------------------------------------------------------------- chunk gather
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_gather_matches_torch(dtype):
+    H, C, c, d, n = 3, 13, 8, 16, 5
+    g = torch.Generator().manual_seed(0)
+    host_k = torch.randn(H, C, c, d, generator=g).to(dtype)
+    host_v = torch.randn(H, C, c, d, generator=g).to(dtype)
+    if DEV.type == "cuda":
+        host_k, host_v = host_k.pin_memory(), host_v.pin_memory()
+    slot_base = torch.tensor([4, 60, 110], device=DEV)
+    T = 160
+    stores = {b: [torch.zeros(T, d, dtype=dtype, device=DEV) for _ in range(2)]
+              + [torch.full((H, n), -1, device=DEV)] for b in ("torch", "triton")}
+    per_chunk = c * d * 2 * host_k.element_size()
+    want = torch.stack([torch.randperm(C, generator=g)[:n] for _ in range(H)]).to(DEV)
+    want2 = want.clone()
+    for i in range(H):
+        fresh = [x for x in range(C) if x not in want[i].tolist()][:2]
+        want2[i, 0], want2[i, 4] = fresh[0], fresh[1]
+    for w, expect in ((want, H * n), (want.flip(1), 0), (want2, 2 * H)):
+        for b, (sk, sv, res) in stores.items():
+            moved = hk.chunk_gather(host_k, host_v, sk, sv, slot_base, res, w, backend=b)
+            assert moved == expect * per_chunk, (b, moved)
+        (tk, tv, tr), (xk, xv, xr) = stores["torch"], stores["triton"]
+        assert torch.equal(tr, xr) and torch.equal(tk, xk) and torch.equal(tv, xv)
+    sk, _, res = stores["triton"]
+    for i in range(H):
+        assert sorted(res[i].tolist()) == sorted(want2[i].tolist())
+        for s in range(n):
+            r = int(slot_base[i]) + s * c
+            assert torch.equal(sk[r:r + c].cpu(), host_k[i, int(res[i, s])])
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter only")
+def test_auto_uses_interpreter_on_cpu():
+    assert hk.resolve_backend("auto", torch.zeros(1)) == "triton"

@@ -1,0 +1,375 @@
+"""hybridkv_kernels: torch references against definitions, dispatch, and the Triton suite.
+
+The Triton-vs-reference cases live in ``test_kernel_triton.py``. The Triton interpreter only
+works when ``TRITON_INTERPRET=1`` is set before triton is first imported (triton's own
+``tl.zeros``/``tl.max``/``tl.sum`` are ``@jit`` functions built at import), and the rest of the
+suite imports it early (transformers' Qwen2.5-VL module does). So
+:func:`test_triton_kernels_under_interpreter` runs that file in a fresh pytest subprocess
+with ``TRITON_INTERPRET=1``; when this process is itself interpreting (the variable was set
+for the whole run) or has CUDA, the file runs in-process instead and the subprocess test skips.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hybridkv_kernels as hk
+from hybridkv_kernels.testing import assert_close
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _store(lengths, d, dtype, gap=3, seed=0):
+    """A flat ragged store with unused rows between (and before) the head segments."""
+    g = torch.Generator().manual_seed(seed)
+    offsets, row = [], gap
+    for n in lengths:
+        offsets.append(row)
+        row += n + gap
+    keys = torch.randn(row, d, generator=g).to(dtype)
+    values = torch.randn(row, d, generator=g).to(dtype)
+    return keys, values, torch.tensor(offsets), torch.tensor(lengths)
+
+
+def _attention_by_definition(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, scale):
+    """Per query head, fp64 softmax over the explicit concatenation of its rows."""
+    H, G, d = q.shape
+    out = torch.zeros(H, G, d, dtype=torch.float64)
+    for h in range(H):
+        o, n = int(offsets[h]), int(lengths[h])
+        k = torch.cat([keys[o:o + n], gen_k[h, :n_gen]]).double()
+        v = torch.cat([values[o:o + n], gen_v[h, :n_gen]]).double()
+        if k.shape[0] == 0:
+            continue
+        p = torch.softmax(q[h].double() @ k.T * scale, dim=-1)
+        out[h] = p @ v
+    return out
+
+
+# --------------------------------------------------------------------------- decode attention
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 5e-3),
+                                        (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("G", [1, 2, 7])
+@pytest.mark.parametrize("n_gen", [0, 5])
+def test_ragged_attention_torch_matches_definition(dtype, rtol, G, n_gen):
+    d = 32
+    lengths = [1, 7, 0, 33, 130]
+    keys, values, offsets, lens = _store(lengths, d, dtype)
+    H = len(lengths)
+    q = torch.randn(H, G, d).to(dtype)
+    gen_k = torch.randn(H, 8, d).to(dtype)
+    gen_v = torch.randn(H, 8, d).to(dtype)
+    out = hk.ragged_decode_attention(q, keys, values, offsets, lens, gen_k, gen_v, n_gen,
+                                     backend="torch")
+    assert out.dtype == dtype and out.shape == (H, G, d)
+    ref = _attention_by_definition(q, keys, values, offsets, lens, gen_k, gen_v, n_gen, d ** -0.5)
+    assert_close(ref, out, rtol)
+    if n_gen == 0:
+        assert torch.count_nonzero(out[2]) == 0  # empty head -> zeros
+
+
+def test_ragged_attention_scale_and_dense():
+    H, G, N, d = 3, 2, 20, 16
+    q, k, v = torch.randn(H, G, d), torch.randn(H, N, d), torch.randn(H, N, d)
+    out = hk.dense_decode_attention(q, k, v, scale=0.3, backend="torch")
+    ref = F.scaled_dot_product_attention(q[:, :, None], k[:, None], v[:, None], scale=0.3)[:, :, 0]
+    assert_close(ref, out, 1e-5)
+
+
+def test_ragged_attention_validates_shapes():
+    q = torch.randn(2, 3, 16)
+    keys = torch.randn(10, 16)
+    with pytest.raises(ValueError):
+        hk.ragged_decode_attention(q, keys, keys, torch.tensor([0]), torch.tensor([5]))
+    with pytest.raises(ValueError):  # n_gen without generated tensors
+        hk.ragged_decode_attention(q, keys, keys, torch.tensor([0, 5]), torch.tensor([5, 5]),
+                                   n_gen=2)
+
+
+def test_split_heuristic():
+    # long store, few heads: many splits, each a multiple of the block and covering the store
+    s, length = hk.decode_split_heuristic(65536, 4, 64)
+    assert s > 1 and length % 64 == 0 and s * length >= 65536 and (s - 1) * length < 65536
+    # short store: never splits below 4 blocks per split
+    s, length = hk.decode_split_heuristic(100, 4, 64)
+    assert s == 1 and length >= 100
+
+
+# --------------------------------------------------------------------------- chunk top-k
+
+
+def _topk_by_sorting(scores, k):
+    """Stable descending sort: ties keep ascending ids, so the lowest ids win."""
+    kk = min(k, scores.shape[1])
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :kk]
+    return order.sort(dim=1).values
+
+
+@pytest.mark.parametrize("G", [1, 7])
+@pytest.mark.parametrize("C,k", [(37, 5), (37, 37), (37, 100), (300, 64), (1, 4)])
+def test_chunk_topk_torch(G, C, k):
+    H, d = 3, 16
+    q, lm = torch.randn(H, G, d), torch.randn(H, C, d)
+    ids = hk.chunk_topk(q, lm, k, backend="torch")
+    assert ids.dtype == torch.int64 and ids.shape == (H, min(k, C))
+    scores = torch.einsum("hgd,hcd->hgc", q.double(), lm.double()).amax(1)
+    assert torch.equal(ids, _topk_by_sorting(scores, k))
+    assert_close(scores, hk.chunk_scores_torch(q, lm), 1e-6)
+
+
+def test_chunk_topk_ties_lowest_id_wins():
+    H, C, d = 2, 40, 16
+    lm = torch.zeros(H, C, d)
+    lm[:, [3, 10, 20, 30], 0] = 2.0  # four equal best chunks
+    lm[:, [5, 6], 0] = -1.0  # below the zero-score ties
+    q = torch.ones(H, 1, d)
+    ids = hk.chunk_topk(q, lm, 6, backend="torch")
+    assert ids.tolist() == [[0, 1, 3, 10, 20, 30]] * H
+    lm[:, 0, 0] = -0.0  # -0.0 ties with +0.0
+    assert hk.chunk_topk(q, lm, 6, backend="torch").tolist() == [[0, 1, 3, 10, 20, 30]] * H
+
+
+def test_chunk_topk_int8_and_k0():
+    H, G, C, d = 2, 3, 50, 16
+    q = torch.randn(H, G, d)
+    lm8 = torch.randint(-127, 128, (H, C, d), dtype=torch.int8)
+    sc = torch.rand(H, C) * 0.02
+    ids = hk.chunk_topk(q, lm8, 10, landmark_scale=sc, backend="torch")
+    deq = lm8.float() * sc[..., None]
+    assert torch.equal(ids, hk.chunk_topk(q, deq, 10, backend="torch"))
+    assert hk.chunk_topk(q, lm8, 0, landmark_scale=sc, backend="torch").shape == (H, 0)
+    with pytest.raises(ValueError):
+        hk.chunk_topk(q, lm8, 3, backend="torch")  # int8 without a scale
+
+
+# --------------------------------------------------------------------------- chunk gather
+
+
+def _gather_fixture(dtype=torch.float32, H=3, C=13, c=8, d=16, n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    host_k = torch.randn(H, C, c, d, generator=g).to(dtype)
+    host_v = torch.randn(H, C, c, d, generator=g).to(dtype)
+    slot_base = torch.tensor([4 + i * (n * c + 7) for i in range(H)])  # gaps between heads
+    T = int(slot_base[-1]) + n * c + 5
+    store_k = torch.zeros(T, d, dtype=dtype)
+    store_v = torch.zeros(T, d, dtype=dtype)
+    resident = torch.full((H, n), -1, dtype=torch.int64)
+    return host_k, host_v, store_k, store_v, slot_base, resident
+
+
+def _check_slots(host_k, host_v, store_k, store_v, slot_base, resident, want):
+    H, n = resident.shape
+    c = host_k.shape[2]
+    for i in range(H):
+        assert sorted(resident[i].tolist()) == sorted(want[i].tolist())
+        for s in range(n):
+            r = int(slot_base[i]) + s * c
+            assert torch.equal(store_k[r:r + c], host_k[i, resident[i, s]])
+            assert torch.equal(store_v[r:r + c], host_v[i, resident[i, s]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_gather_torch_hits_misses_bytes(dtype):
+    hk_, hv_, sk, sv, base, res = _gather_fixture(dtype)
+    H, C, c, d = hk_.shape
+    n = res.shape[1]
+    per_chunk = c * d * 2 * hk_.element_size()
+    want = torch.stack([torch.randperm(C, generator=torch.Generator().manual_seed(i))[:n]
+                        for i in range(H)])
+    assert hk.chunk_gather(hk_, hv_, sk, sv, base, res, want, backend="torch") == H * n * per_chunk
+    _check_slots(hk_, hv_, sk, sv, base, res, want)
+    # same set, another order: all hits, nothing moves, nothing changes
+    before = (sk.clone(), res.clone())
+    assert hk.chunk_gather(hk_, hv_, sk, sv, base, res, want.flip(1), backend="torch") == 0
+    assert torch.equal(sk, before[0]) and torch.equal(res, before[1])
+    # two new chunks per head: only they move, into the two freed slots
+    want2 = want.clone()
+    for i in range(H):
+        fresh = [x for x in range(C) if x not in want[i].tolist()][:2]
+        want2[i, 1], want2[i, 3] = fresh[0], fresh[1]
+    kept = torch.stack([torch.isin(res[i], want2[i]) for i in range(H)])
+    snapshot = res.clone()
+    assert hk.chunk_gather(hk_, hv_, sk, sv, base, res, want2, backend="torch") == 2 * H * per_chunk
+    assert torch.equal(res[kept], snapshot[kept])  # hits stay in their slots
+    _check_slots(hk_, hv_, sk, sv, base, res, want2)
+
+
+def test_gather_plan_pairs_free_slots_in_order():
+    resident = torch.tensor([[4, -1, 7, 2]])
+    want = torch.tensor([[9, 2, 8, 4]])
+    # slot 0 (4) and 3 (2) are hits; free slots 1, 2 get the missing ids 9, 8 in want order
+    assert hk.gather_plan(resident, want, 10).tolist() == [[-1, 9, 8, -1]]
+
+
+# --------------------------------------------------------------------------- window scores
+
+
+def _window_by_definition(q_win, k, scale):
+    H, G, w, d = q_win.shape
+    N = k.shape[1]
+    attn = torch.zeros(H, N, dtype=torch.float64)
+    for i in range(w):
+        pos = N - w + i
+        s = torch.einsum("hgd,hnd->hgn", q_win[:, :, i].double(), k[:, :pos + 1].double()) * scale
+        attn[:, :pos + 1] += torch.softmax(s, -1).sum(1)
+    return attn / (G * w)
+
+
+@pytest.mark.parametrize("G,w,N", [(1, 4, 4), (2, 5, 33), (7, 8, 130)])
+def test_window_scores(G, w, N):
+    H, d = 3, 16
+    q_win, k = torch.randn(H, G, w, d), torch.randn(H, N, d)
+    attn, pooled = hk.window_scores(q_win, k)
+    ref = _window_by_definition(q_win, k, d ** -0.5)
+    assert_close(ref, attn, 1e-5)
+    assert torch.allclose(attn.sum(-1), torch.ones(H), atol=1e-5)
+    assert torch.equal(pooled, F.max_pool1d(attn[:, None], 7, 1, 3)[:, 0])
+    # bf16 inputs are scored in fp32 (not rounded to bf16 before the exp)
+    attn2, _ = hk.window_scores(q_win.bfloat16(), k.bfloat16(), scale=0.1)
+    assert_close(_window_by_definition(q_win.bfloat16(), k.bfloat16(), 0.1), attn2, 1e-5)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_rules():
+    x = torch.zeros(1)
+    assert hk.resolve_backend("torch", x) == "torch"
+    with pytest.raises(ValueError):
+        hk.resolve_backend("cuda", x)
+    if not hk.HAS_TRITON:
+        assert hk.resolve_backend("auto", x) == "torch"
+        return
+    if hk.triton_interpreting():
+        assert hk.resolve_backend("triton", x) == "triton"
+    elif not os.environ.get("TRITON_INTERPRET") == "1":
+        assert hk.resolve_backend("auto", x) == "torch"
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            hk.resolve_backend("triton", x)
+
+
+def _run(args, env_extra, timeout, cwd=ROOT):
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def test_import_without_triton_and_no_toplevel_kernels(tmp_path):
+    """Outside the repo (so the folder itself is not on sys.path): the installed package is
+    ``hybridkv_kernels`` only, and imports and runs its torch paths with triton missing."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
+        "import importlib.util, torch, hybridkv_kernels as hk\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        f"assert spec is None or not str(spec.origin).startswith({str(ROOT)!r}), spec\n"
+        "assert not hk.HAS_TRITON\n"
+        "q = torch.randn(2, 3, 16); kv = torch.randn(10, 16)\n"
+        "o = hk.ragged_decode_attention(q, kv, kv, torch.tensor([0, 5]), torch.tensor([5, 5]))\n"
+        "assert o.shape == (2, 3, 16)\n"
+        "print(hk.chunk_topk(q, torch.randn(2, 9, 16), 4).shape)\n"
+    )
+    r = _run(["-c", code], {"TRITON_INTERPRET": "1"}, 120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_triton_kernels_under_interpreter():
+    """Run test_kernel_triton.py in a fresh process with TRITON_INTERPRET=1 (module docstring)."""
+    if not hk.HAS_TRITON:
+        pytest.skip("triton not installed")
+    if hk.triton_interpreting() or torch.cuda.is_available():
+        pytest.skip("test_kernel_triton.py runs in this process")
+    r = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+              str(ROOT / "tests" / "test_kernel_triton.py")], {"TRITON_INTERPRET": "1"}, 600)
+    tail = (r.stdout + r.stderr)[-6000:]
+    assert r.returncode == 0, tail
+    last = r.stdout.strip().splitlines()[-1]
+    assert "passed" in last and "skipped" not in last and "failed" not in last, tail
+
+
+# --------------------------------------------------------------------------- compile for sm_90
+
+_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "i8",
+       torch.int64: "i64"}
+
+
+def _compile_sm90(kernel, args: dict, constexprs: dict, num_warps=4):
+    """Compile a kernel for sm_90 without a GPU, specialised like a JIT launch: tensors are
+    16-byte aligned and ints divisible by 16 get the divisibility hint. Returns (kernel, ptxas
+    -v report)."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        v = args[name]
+        if isinstance(v, torch.dtype):
+            sig[name] = "*" + _TY[v]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        r = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                           capture_output=True, text=True)
+    return compiled, r.stderr
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_spills():
+    """The interpreter does not type-check like the compiler: compile every kernel for an
+    H100/H200 (no GPU needed) at 7B geometry and check the decode kernel does not spill."""
+    if not hk.HAS_TRITON or hk.triton_interpreting():
+        pytest.skip("needs triton in compiled mode")
+    from hybridkv_kernels.dispatch import load_triton_module
+
+    bf16, i64, f32 = torch.bfloat16, torch.int64, torch.float32
+    dec = load_triton_module("_decode_attention_triton")
+    for dt in (bf16, torch.float16):
+        _, report = _compile_sm90(dec.ragged_decode_stage1_kernel, dict(
+            Q=dt, K=dt, V=dt, GK=dt, GV=dt, OFF=i64, LEN=i64, O_PART=f32, LSE_PART=f32,
+            n_gen=7, split_len=1024, qk_scale=0.1, G=7, D=128, stride_qh=896, stride_qg=128,
+            stride_kt=128, stride_vt=128, stride_gkh=32768, stride_gkt=128, stride_gvh=32768,
+            stride_gvt=128, stride_oh=57344, stride_os=896, stride_og=128, stride_lh=448,
+            stride_ls=7), dict(BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, UPCAST=False, PREC="tf32"))
+        assert " 0 bytes spill stores" in report, report
+    _compile_sm90(dec.merge_splits_kernel, dict(
+        O_PART=f32, LSE_PART=f32, OUT=bf16, S=64, D=128, stride_oh=57344, stride_os=896,
+        stride_og=128, stride_lh=448, stride_ls=7, stride_outh=896, stride_outg=128),
+        dict(BLOCK_S=64, BLOCK_D=128))
+    top = load_triton_module("_chunk_topk_triton")
+    for lm_dt, has_scale in ((torch.int8, True), (bf16, False)):
+        _compile_sm90(top.chunk_scores_kernel, dict(
+            Q=bf16, LM=lm_dt, LM_SCALE=f32, SCORES=f32, G=7, C=8188, D=128, stride_qh=896,
+            stride_qg=128, stride_lh=8188 * 128, stride_lc=128, stride_sch=8188, stride_sh=8188),
+            dict(HAS_SCALE=has_scale, BLOCK_G=16, BLOCK_C=64, BLOCK_D=128))
+    _compile_sm90(top.topk_select_kernel, dict(SCORES=f32, OUT=i64, C=8188, K=512,
+                                               stride_sh=8188, stride_oh=512), dict(BLOCK=1024))
+    gat = load_triton_module("_chunk_gather_triton")
+    _compile_sm90(gat.chunk_gather_kernel, dict(
+        HK=bf16, HV=bf16, SK=bf16, SV=bf16, SLOT_BASE=i64, ASSIGN=i64, c=8, D=128,
+        stride_hkh=8188 * 1024, stride_hkc=1024, stride_hkt=128, stride_hvh=8188 * 1024,
+        stride_hvc=1024, stride_hvt=128, stride_skt=128, stride_svt=128, stride_ah=512),
+        dict(BLOCK_T=8, BLOCK_D=128))
