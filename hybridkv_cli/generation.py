@@ -13,7 +13,7 @@ from hybridkv_cli.compression.cache import PolicyCache, use_policy_attention
 from hybridkv_cli.prompt import Prompt
 
 
-class _StepClock(BaseStreamer):
+class StepClock(BaseStreamer):
     """Timestamps every token ``generate`` emits (the first put is the prompt itself)."""
 
     def __init__(self, device: torch.device, on_first_token=None):
@@ -60,7 +60,7 @@ def generate(model, prompt: Prompt, policy: Policy, max_new_tokens: int = 128) -
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
     cache = PolicyCache(policy, model.config.get_text_config().num_hidden_layers, prompt.visual)
     after_prefill: list[int] = []
-    clock = _StepClock(device, on_first_token=lambda: after_prefill.append(cache.device_bytes()))
+    clock = StepClock(device, on_first_token=lambda: after_prefill.append(cache.device_bytes()))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -43,6 +43,7 @@ class RaggedStore:
     gen_k: torch.Tensor
     gen_v: torch.Tensor
     n_gen: int = 0
+    max_length: int = 0  # longest head, kept on the host so the kernel launch needs no sync
 
     @classmethod
     def build(
@@ -83,7 +84,7 @@ class RaggedStore:
         flat_k[rows] = keys[head_idx, pos_idx]
         flat_v[rows] = values[head_idx, pos_idx]
         empty = keys.new_zeros(heads, 0, dim)
-        return cls(flat_k, flat_v, offsets, lengths, empty, empty.clone())
+        return cls(flat_k, flat_v, offsets, lengths, empty, empty.clone(), max_length=int(lengths.max()))
 
     @property
     def num_heads(self) -> int:
@@ -103,7 +104,7 @@ class RaggedStore:
         """Decode attention of ``query`` [H_kv, G, d] over every head's entries and the generated tokens."""
         return ragged_decode_attention(
             query, self.keys, self.values, self.offsets, self.lengths,
-            self.gen_k, self.gen_v, self.n_gen, scale=scale,
+            self.gen_k, self.gen_v, self.n_gen, scale=scale, max_length=self.max_length,
         )
 
     def device_bytes(self) -> int:

@@ -1,11 +1,12 @@
-"""CPU decode benchmark at Qwen2.5-VL-7B attention geometry: full vs hybridkv, same attention kernel.
+"""Decode benchmark at Qwen2.5-VL-7B attention geometry: full vs hybridkv, same attention kernel.
 
 A randomly initialised Qwen2.5-VL text stack with the 7B attention geometry (hidden 3584, 28
 query / 4 KV heads, head dim 128) but few layers and a narrow MLP, fed a random prompt whose
 middle is marked as visual tokens (the layout of a video prompt). Everything runs through the
 library's own generation path, so prefill, compression and decode are what `hybridkv ask` does.
 
-    python benchmarks/cpu_decode.py --lengths 8192 16384 --budgets 0.1 0.2 --out docs/cpu_decode.json
+    python benchmarks/decode.py --lengths 8192 16384 --budgets 0.1 0.2 --out docs/cpu_decode.json
+    python benchmarks/gpu_decode.py      # CUDA: 28 layers, bf16, 8k/32k/64k, plus stock SDPA generate
 
 Reports per method: per-token decode latency (whole step), decode attention time per step
 (the ragged kernel + retrieval, summed over layers), device KV bytes and ratio vs full, host
@@ -25,11 +26,11 @@ import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from hybridkv_cli.compression import make_policy
-from hybridkv_cli.generation import generate
+from hybridkv_cli.generation import StepClock, generate
 from hybridkv_cli.prompt import Prompt
 
 
-def build_model(layers: int, intermediate: int, vocab: int = 2048) -> Qwen2_5_VLForConditionalGeneration:
+def build_model(layers: int, intermediate: int, vocab: int = 2048, device="cpu", dtype=torch.float32):
     head_dim = 128
     config = Qwen2_5_VLConfig(
         text_config=dict(
@@ -40,7 +41,9 @@ def build_model(layers: int, intermediate: int, vocab: int = 2048) -> Qwen2_5_VL
         vision_config=dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=64, out_hidden_size=28 * head_dim),
     )
     torch.manual_seed(0)
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.device(device):  # initialise where it runs: a 28-layer model is slow to init on a CPU
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    return model.to(dtype=dtype).eval()
 
 
 def video_like_prompt(length: int, vocab: int) -> Prompt:
@@ -55,7 +58,7 @@ def run(model, prompt: Prompt, method: str, budget: float, new_tokens: int) -> d
     policy = make_policy(method, budget=budget)
     out = generate(model, prompt, policy, max_new_tokens=new_tokens)
     cfg = model.config.get_text_config()
-    full_prompt_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 128 * prompt.length * 4
+    full_prompt_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 128 * prompt.length * model.dtype.itemsize
     steps = len(out.step_s)
     heads = policy.summary()
     return {
@@ -72,26 +75,56 @@ def run(model, prompt: Prompt, method: str, budget: float, new_tokens: int) -> d
         "device_ratio_vs_full_prompt": out.device_bytes_after_prefill / full_prompt_bytes,
         "host_bytes": out.cache.host_bytes(),
         "h2d_bytes_per_step": out.cache.transferred_bytes() / steps,
+        "cuda_peak_bytes": out.cuda_peak_bytes,
         "heads": None if heads is None else {"static": heads["static"], "dynamic": heads["dynamic"],
                                              "padding_entries": heads["padding_entries"]},
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2])
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--intermediate", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=24)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+def stock_run(model, prompt: Prompt, new_tokens: int) -> dict:
+    """Stock ``generate`` with transformers' own cache and SDPA: the baseline users have today."""
+    model.set_attn_implementation("sdpa")
+    inputs = {k: v.to(model.device) for k, v in prompt.inputs.items()}
+    clock = StepClock(model.device)
+    if model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, streamer=clock)
+    steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+    return {
+        "method": "stock-sdpa", "budget": 1.0, "prefill_s": clock.stamps[0] - start,
+        "step_ms_mean": 1e3 * statistics.fmean(steps), "step_ms_p50": 1e3 * statistics.median(steps),
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated() - base if model.device.type == "cuda" else None,
+    }
 
-    model = build_model(args.layers, args.intermediate)
+
+def parser(**defaults) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=defaults.get("lengths", [8192, 16384]))
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2])
+    ap.add_argument("--layers", type=int, default=defaults.get("layers", 2))
+    ap.add_argument("--intermediate", type=int, default=defaults.get("intermediate", 1024))
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--device", default=defaults.get("device", "cpu"))
+    ap.add_argument("--dtype", default=defaults.get("dtype", "float32"))
+    ap.add_argument("--stock", action=argparse.BooleanOptionalAction, default=defaults.get("stock", False),
+                    help="also time stock generate (transformers cache + SDPA)")
+    ap.add_argument("--out", default=None)
+    return ap
+
+
+def main(argv=None, **defaults) -> None:
+    args = parser(**defaults).parse_args(argv)
+    model = build_model(args.layers, args.intermediate, device=args.device, dtype=getattr(torch, args.dtype))
     rows = []
     for length in args.lengths:
         prompt = video_like_prompt(length, model.config.get_text_config().vocab_size)
         runs = [("full", 1.0)] + [("hybridkv", b) for b in args.budgets]
+        if args.stock:
+            rows.append({"prompt_tokens": length, **stock_run(model, prompt, args.new_tokens)})
+            print(json.dumps(rows[-1]), flush=True)
         for method, budget in runs:
             started = time.perf_counter()
             row = {"prompt_tokens": length, **run(model, prompt, method, budget, args.new_tokens)}
@@ -100,11 +133,13 @@ def main() -> None:
             print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
         full = next(r for r in rows if r["prompt_tokens"] == length and r["method"] == "full")
         for r in rows:
-            if r["prompt_tokens"] == length:
+            if r["prompt_tokens"] == length and r["method"] != "stock-sdpa":
                 r["attention_speedup_vs_full"] = full["attention_ms_per_step"] / r["attention_ms_per_step"]
                 r["step_speedup_vs_full"] = full["step_ms_mean"] / r["step_ms_mean"]
                 r["device_kv_smaller_x"] = full["device_bytes_after_prefill"] / r["device_bytes_after_prefill"]
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    gpu = torch.cuda.get_device_name() if model.device.type == "cuda" else None
+    meta = {"machine": gpu or platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "dtype": args.dtype,
             "torch": torch.__version__, "layers": args.layers, "intermediate": args.intermediate,
             "new_tokens": args.new_tokens}
     if args.out:

@@ -1,0 +1,41 @@
+"""``streamingllm``: attention sinks + the most recent tokens (Xiao et al., 2024)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv_cli.compression import register
+from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.scoring import head_entries
+from hybridkv_cli.compression.store import RaggedStore
+
+
+@register("streamingllm")
+@dataclass
+class StreamingLLM(Policy):
+    """StreamingLLM: every head keeps the first ``sinks`` prompt tokens and the most recent ones.
+
+    Parameters
+    ----------
+    sinks : int
+        Attention-sink tokens kept at the start of the prompt (4 in the paper).
+
+    Each head keeps ``round(b·N)`` entries: ``min(sinks, round(b·N))`` sinks, the rest the most
+    recent prompt positions. ``window`` is not used.
+    """
+
+    budget: float = 0.1
+    sinks: int = 4
+
+    def compress(self, layer: PrefillLayer) -> RaggedStore:
+        n = layer.length
+        entries = head_entries(self.budget, n)
+        sinks = min(self.sinks, entries)
+        recent = entries - sinks
+        keep = torch.zeros(layer.num_heads, n, dtype=torch.bool, device=layer.keys.device)
+        keep[:, :sinks] = True
+        if recent:
+            keep[:, n - recent:] = True
+        return RaggedStore.build(layer.keys, layer.values, keep)
