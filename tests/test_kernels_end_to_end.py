@@ -1,0 +1,46 @@
+"""The Triton kernels (interpreted on CPU) and the torch references give the same tokens end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import json, torch
+from hybridkv_cli.compression import make_policy
+from hybridkv_cli.generation import generate
+from hybridkv_cli.media import load_media
+from hybridkv_cli.models import build_demo
+from hybridkv_cli.prompt import build_prompt
+from hybridkv_kernels import resolve_backend
+demo = build_demo()
+media = load_media(["sample_media/images/red_circle.png", "sample_media/images/blue_square.jpg"], max_pixels=56 * 56)
+prompt = build_prompt(demo.processor, media, "Which image shows a square?")
+out = {"backend": resolve_backend("auto", torch.zeros(1))}
+for method, budget in (("full", 1.0), ("hybridkv", 0.3)):
+    out[method] = generate(demo.model, prompt, make_policy(method, budget=budget, window=8), max_new_tokens=5).tokens
+print(json.dumps(out))
+"""
+
+
+def run(interpret: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_tokens_identical_with_triton_kernels_and_torch_references():
+    pytest.importorskip("triton")
+    reference, kernels = run(interpret=False), run(interpret=True)
+    assert reference["backend"] == "torch" and kernels["backend"] == "triton"
+    assert kernels["full"] == reference["full"]
+    assert kernels["hybridkv"] == reference["hybridkv"]
