@@ -61,7 +61,7 @@ def render(result: dict, console: Console) -> None:
     if result.get("traffic"):
         table.add_row("traffic", f"{human_bytes(round(result['traffic']['h2d_bytes_per_step_mean']))} host->device per step")
     heads = result.get("heads")
-    if heads:
+    if heads and "static" in heads:
         table.add_row(
             "heads",
             f"{heads['static']} static / {heads['dynamic']} dynamic "

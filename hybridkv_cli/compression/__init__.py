@@ -32,6 +32,6 @@ def make_policy(name: str, **options) -> Policy:
 
 
 # Importing the method modules registers them.
-from hybridkv_cli.compression import full, hybridkv  # noqa: E402,F401
+from hybridkv_cli.compression import full, hybridkv, lookm, madakv, quest, snapkv, sparsemm, streamingllm  # noqa: E402,F401
 
 __all__ = ["METHODS", "LayerKV", "Policy", "PrefillLayer", "make_policy", "register"]

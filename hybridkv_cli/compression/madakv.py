@@ -1,0 +1,116 @@
+"""``madakv``: modality-preference budgets per head, unused budget carried to the next layer.
+
+MadaKV (Li et al., 2025, arXiv:2506.15724) has no public code. This is a reconstruction from
+its abstract ("modality preference adaptation" + "hierarchical compression compensation"), not
+the authors' algorithm:
+
+1. Modality preference of each KV head = the share of its window attention (mean over the last
+   ``w`` prompt queries and the GQA group) that falls on text vs visual positions.
+2. The layer's pool is its budget ``round(b·N·H)`` plus what the previous layer carried; every
+   head gets an equal share of the pool, split between text and visual entries in proportion
+   to its preference.
+3. Within each modality, SnapKV selection: the window first, then the best max-pooled window
+   scores of that modality.
+4. A modality that has fewer tokens than its share leaves the rest unused. Unused entries are
+   carried to the next layer, up to what the next layer can still place (``N·H`` minus its own
+   budget); beyond that they go to the other modality of the same head, so at ``b = 1`` every
+   head keeps everything. What the last layer carries out stays unused (``unused_entries``).
+
+The total over layers never exceeds ``L·round(b·N·H)``; single layers may hold more than their
+own share (that is the compensation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv_cli.compression import register
+from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.scoring import proportional_split, snap_keep, window_attention
+from hybridkv_cli.compression.store import RaggedStore
+
+
+@dataclass
+class ModalityPlan:
+    """Entries per head and modality of one layer, and the carry in and out."""
+
+    text_share: torch.Tensor  # [H] fp32, share of window attention on text
+    text: torch.Tensor  # [H] long
+    visual: torch.Tensor  # [H] long
+    carry_in: int
+    carry_out: int
+
+
+def plan_modalities(text_share: torch.Tensor, visual: torch.Tensor, budget: int, carry_in: int) -> ModalityPlan:
+    """Steps 2 and 4 of the module docstring for one layer.
+
+    Parameters
+    ----------
+    text_share : Tensor [H]
+        Share of each head's window attention on text positions.
+    visual : BoolTensor [N]
+    budget : int
+        The layer's own budget ``round(b·N·H)``.
+    carry_in : int
+        Entries carried from the previous layer (at most ``N·H - budget``).
+    """
+    heads, n = text_share.numel(), visual.numel()
+    n_visual = int(visual.sum())
+    n_text = n - n_visual
+    device = text_share.device
+    full = torch.full((heads,), n, dtype=torch.long, device=device)
+    per_head = proportional_split(budget + carry_in, torch.ones(heads, device=device), full)
+    text_want = torch.minimum(torch.round(per_head * text_share.double()).long().clamp(min=0), per_head)
+    text = text_want.clamp(max=n_text)
+    vis = (per_head - text_want).clamp(max=n_visual)
+    spare = per_head - text - vis
+    total_spare = int(spare.sum())
+    carry_out = min(total_spare, heads * n - budget)
+    # What the next layer could not place goes back to the heads that spared it, into their
+    # other modality (a head's spare never exceeds the room left there, as per_head <= N).
+    back = proportional_split(total_spare - carry_out, spare.double(), spare)
+    to_text = torch.minimum(back, n_text - text)
+    return ModalityPlan(text_share, text + to_text, vis + back - to_text, carry_in, carry_out)
+
+
+@register("madakv")
+@dataclass
+class MadaKV(Policy):
+    """MadaKV (reconstructed from the abstract): modality-preference budgets, carried across layers.
+
+    Per head, entries are split between text and visual tokens in proportion to the head's
+    window-attention mass on each; SnapKV selection within each modality; budget a layer cannot
+    use is carried to the next layer. See the module docstring for the exact rules.
+    """
+
+    budget: float = 0.1
+    plans: dict[int, ModalityPlan] = field(default_factory=dict, repr=False)
+
+    def compress(self, layer: PrefillLayer) -> RaggedStore:
+        if layer.index == 0:
+            self.plans = {}
+        carry = self.plans[layer.index - 1].carry_out if layer.index - 1 in self.plans else 0
+        attn, pooled, window = window_attention(layer, self.window)
+        visual = layer.visual
+        text_share = attn[:, ~visual].sum(dim=1)
+        budget = round(self.budget * layer.length * layer.num_heads)
+        plan = plan_modalities(text_share, visual, budget, carry)
+        self.plans[layer.index] = plan
+        keep = snap_keep(pooled, window, plan.text, allowed=~visual)
+        keep |= snap_keep(pooled, window, plan.visual, allowed=visual)
+        return RaggedStore.build(layer.keys, layer.values, keep)
+
+    def summary(self) -> dict:
+        plans = [self.plans[i] for i in sorted(self.plans)]
+        return {
+            "reconstruction": "MadaKV rebuilt from its abstract (no public code)",
+            "per_layer": {
+                "text_preference": [[round(s, 4) for s in p.text_share.tolist()] for p in plans],
+                "text_entries": [p.text.tolist() for p in plans],
+                "visual_entries": [p.visual.tolist() for p in plans],
+                "carry_in": [p.carry_in for p in plans],
+            },
+            "unused_entries": plans[-1].carry_out if plans else 0,
+        }

@@ -1,0 +1,149 @@
+"""``quest``: query-aware page selection at every decode step (Tang et al., 2024).
+
+The full prompt KV stays on the device (Quest saves reads, not memory), in the shared ragged
+store, beside per-page min/max key metadata. At each decode step and for each KV head, every page
+gets an upper bound of its best attention logit, ``sum_d max(q_d·min_d, q_d·max_d)`` (max over the
+GQA group); the head reads the top pages that fit its budget ``round(b·N)``, always with the last
+(possibly partial) page, plus the generated tokens. ``device_bytes`` counts the full KV and the
+metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv_cli.compression import register
+from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.scoring import head_entries
+from hybridkv_cli.compression.store import RaggedStore, tensor_bytes
+from hybridkv_kernels import ragged_decode_attention
+
+
+def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound per page: ``max_g sum_d max(q·kmin, q·kmax)``, [H, P] fp32.
+
+    Uses ``max(a, b) = (a + b)/2 + |a - b|/2`` with ``kmax >= kmin``, i.e.
+    ``(q·(kmin + kmax) + |q|·(kmax - kmin)) / 2``: two matmuls instead of an [H, G, P, d] tensor.
+
+    Parameters
+    ----------
+    query : Tensor [H, G, d]
+    kmin, kmax : Tensor [H, P, d]
+        Element-wise minimum and maximum of the keys of each page.
+    """
+    q = query.float()
+    lo, hi = kmin.float(), kmax.float()
+    bound = torch.bmm(q, (lo + hi).transpose(1, 2)) + torch.bmm(q.abs(), (hi - lo).transpose(1, 2))
+    return bound.amax(dim=1) * 0.5
+
+
+@dataclass
+class QuestLayerKV:
+    """A layer's full prompt KV (ragged store, every entry) plus page metadata.
+
+    Attributes
+    ----------
+    store : RaggedStore
+        Every prompt entry of every head, and the generated tokens.
+    kmin, kmax : Tensor [H, P, d]
+        Metadata of the selectable pages (every page but the last, which is always read).
+    pages : int
+        Selectable pages read per step and head.
+    page_size, length : int
+    max_read : int
+        Most prompt entries one head has read in one step so far.
+    """
+
+    store: RaggedStore
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+    pages: int
+    page_size: int
+    length: int
+    max_read: int = 0
+    steps: int = 0
+
+    @property
+    def read_entries(self) -> int:
+        """Prompt entries each head reads per step: the selected pages and the last page."""
+        return self.pages * self.page_size + self.length - self.kmin.shape[1] * self.page_size
+
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        self.steps += 1
+        if self.pages == self.kmin.shape[1]:  # every page: read the store as it is
+            self.max_read = max(self.max_read, self.length)
+            return self.store.attend(query, scale)
+        heads = query.shape[0]
+        device = query.device
+        top = page_bounds(query, self.kmin, self.kmax).topk(self.pages, dim=1).indices.sort(dim=1).values
+        within = torch.arange(self.page_size, device=device)
+        tail = torch.arange(self.kmin.shape[1] * self.page_size, self.length, device=device)
+        page_rows = (top.unsqueeze(-1) * self.page_size + within).flatten(1)
+        positions = torch.cat([page_rows, tail.expand(heads, -1)], dim=1)  # [H, read], position order
+        rows = (self.store.offsets.unsqueeze(1) + positions).flatten()
+        read = positions.shape[1]
+        self.max_read = max(self.max_read, read)
+        lengths = torch.full((heads,), read, dtype=torch.long, device=device)
+        return ragged_decode_attention(
+            query, self.store.keys[rows], self.store.values[rows], lengths.cumsum(0) - lengths, lengths,
+            self.store.gen_k, self.store.gen_v, self.store.n_gen, scale=scale, max_length=read,
+        )
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.store.append(key, value)
+
+    def device_bytes(self) -> int:
+        return self.store.device_bytes() + tensor_bytes(self.kmin, self.kmax)
+
+    def host_bytes(self) -> int:
+        return 0
+
+    def transferred_bytes(self) -> int:
+        return 0
+
+
+@register("quest")
+@dataclass
+class Quest(Policy):
+    """Quest: full KV on the device, each decode step reads the top pages (upper-bound score) within b·N.
+
+    Parameters
+    ----------
+    page_size : int
+        Tokens per page (8 here, as HybridKV's chunks).
+
+    Each head reads ``round(b·N)`` prompt entries per step at most, or the last page if that is
+    longer; memory is not reduced. ``window`` is not used.
+    """
+
+    budget: float = 0.1
+    page_size: int = 8
+    records: dict[int, tuple[int, int, int]] = field(default_factory=dict, repr=False)  # (N, pages, read)
+
+    def compress(self, layer: PrefillLayer) -> QuestLayerKV:
+        if layer.index == 0:
+            self.records = {}
+        n, page = layer.length, self.page_size
+        selectable = (n - 1) // page  # every page but the last (possibly partial) one
+        keys = layer.keys[:, : selectable * page].unflatten(1, (selectable, page))
+        last = n - selectable * page
+        pages = min(selectable, max(0, head_entries(self.budget, n) - last) // page)
+        keep = torch.ones(layer.num_heads, n, dtype=torch.bool, device=layer.keys.device)
+        kv = QuestLayerKV(
+            RaggedStore.build(layer.keys, layer.values, keep),
+            keys.amin(dim=2), keys.amax(dim=2), pages, page, n,
+        )
+        self.records[layer.index] = (n, pages, kv.read_entries)
+        return kv
+
+    def summary(self) -> dict:
+        records = [self.records[i] for i in sorted(self.records)]
+        return {
+            "page_size": self.page_size,
+            "prompt_entries": records[0][0] if records else 0,
+            "pages_per_step": [pages for _, pages, _ in records],
+            "read_entries_per_head": [read for _, _, read in records],
+            "device_keeps_full_kv": True,
+        }

@@ -1,0 +1,140 @@
+"""``sparsemm``: head budgets from visual head scores, SnapKV selection per head (Wang et al., 2025).
+
+SparseMM's official scores come from an offline OCR-grounding procedure run once per model. Here
+they are read from a JSON file (``head_scores``) or, without one, computed on the fly from the
+current prompt: the window attention mass of each KV head on visual positions (text-to-visual
+attention of the question and template tail). ``summary()`` says which was used, and its
+``per_layer.scores`` is already in the file format, so a score file can be written from it
+(e.g. averaged over a calibration set).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridkv_cli.compression import register
+from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.scoring import proportional_split, snap_keep, window_attention
+from hybridkv_cli.compression.store import RaggedStore
+from hybridkv_cli.errors import UsageError
+
+FILE_FORMAT = '{"scores": [[one number per KV head] per layer]}'
+
+
+def load_head_scores(path: str | Path) -> list[list[float]]:
+    """Read and validate a head-score file: ``{"scores": [[per KV head] per layer]}``.
+
+    Scores must be finite and non-negative, with the same number of heads in every layer.
+
+    Raises
+    ------
+    UsageError
+        Missing or unreadable file, not JSON, or not that shape.
+    """
+    source = str(path)
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError("head-score file not found", source) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read the head-score file ({e})", source) from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"not JSON ({e}); expected {FILE_FORMAT}", source) from None
+    scores = data.get("scores") if isinstance(data, dict) else None
+    if not isinstance(scores, list) or not scores or not all(isinstance(row, list) and row for row in scores):
+        raise UsageError(f"expected {FILE_FORMAT}", source)
+    for i, row in enumerate(scores):
+        numbers = all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in row)
+        if not numbers or not all(math.isfinite(s) and s >= 0 for s in row):
+            raise UsageError(f"layer {i}: scores must be finite non-negative numbers", source)
+        if len(row) != len(scores[0]):
+            raise UsageError(f"layer {i} has {len(row)} scores, layer 0 has {len(scores[0])}", source)
+    return [[float(s) for s in row] for row in scores]
+
+
+def visual_scores(attn: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+    """On-the-fly visual head score: each head's window attention mass on visual positions, [H]."""
+    return attn[:, visual].sum(dim=1)
+
+
+def head_budgets(scores: torch.Tensor, budget: float, length: int, min_share: float) -> torch.Tensor:
+    """SparseMM allocation of one layer's ``round(b·N·H)`` entries.
+
+    Every head gets ``min = min_share·b·N`` (rounded down), and the remainder is distributed
+    proportionally to the normalised scores: ``cap = min + score·remain``. No head exceeds N; what
+    a head cannot hold goes to the others (so at ``b = 1`` every head keeps everything).
+    """
+    heads = scores.numel()
+    avg = budget * length
+    floor = min(length, int(min_share * avg))
+    total = round(avg * heads)
+    room = torch.full((heads,), length - floor, dtype=torch.long, device=scores.device)
+    return floor + proportional_split(total - heads * floor, scores, room)
+
+
+@register("sparsemm")
+@dataclass
+class SparseMM(Policy):
+    """SparseMM: per-head budgets from visual head scores (min + score·remain), SnapKV per head.
+
+    Parameters
+    ----------
+    head_scores : str, optional
+        JSON file ``{"scores": [[per KV head] per layer]}`` (the official offline scores). Without
+        it, scores are computed on the fly from the current prompt (window attention on visual
+        tokens), which the summary reports.
+    min_share : float
+        Every head's floor, as a share of the average head budget ``b·N``.
+    """
+
+    budget: float = 0.1
+    head_scores: str | None = None
+    min_share: float = 0.1
+    records: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self._file_scores = load_head_scores(self.head_scores) if self.head_scores else None
+
+    def _layer_scores(self, layer: PrefillLayer, attn: torch.Tensor) -> torch.Tensor:
+        if self._file_scores is None:
+            return visual_scores(attn, layer.visual)
+        if layer.index >= len(self._file_scores):
+            raise UsageError(
+                f"has scores for {len(self._file_scores)} layers, the model has more (layer {layer.index})",
+                self.head_scores,
+            )
+        row = self._file_scores[layer.index]
+        if len(row) != layer.num_heads:
+            raise UsageError(
+                f"layer {layer.index} has {len(row)} scores, the model has {layer.num_heads} KV heads",
+                self.head_scores,
+            )
+        return torch.tensor(row, dtype=torch.float64, device=attn.device)
+
+    def compress(self, layer: PrefillLayer) -> RaggedStore:
+        if layer.index == 0:
+            self.records = {}
+        attn, pooled, window = window_attention(layer, self.window)
+        scores = self._layer_scores(layer, attn)
+        counts = head_budgets(scores, self.budget, layer.length, self.min_share)
+        self.records[layer.index] = (scores.tolist(), counts.tolist())
+        return RaggedStore.build(layer.keys, layer.values, snap_keep(pooled, window, counts))
+
+    def summary(self) -> dict:
+        records = [self.records[i] for i in sorted(self.records)]
+        return {
+            "head_scores": (
+                f"file {self.head_scores}" if self.head_scores
+                else "on the fly: window attention mass on visual tokens of this prompt "
+                     "(not the official offline OCR-grounding scores)"
+            ),
+            "per_layer": {
+                "scores": [[round(s, 6) for s in scores] for scores, _ in records],
+                "entries": [entries for _, entries in records],
+            },
+        }

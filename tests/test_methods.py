@@ -1,0 +1,391 @@
+"""Every registered method through the same checks on the demo model, then each method's own rules.
+
+Shared matrix (every name in ``METHODS``): at b = 1 the tokens equal ``full``'s; at b = 0.1 the
+device bytes after prefill are within the budget (quest: honestly the full KV plus metadata, and
+a per-step read set within the budget); ``ask`` works on an image set and a video and its record
+is JSON-serialisable. Method-specific tests use constructed tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from hybridkv_cli.api import ask
+from hybridkv_cli.compression import METHODS, make_policy
+from hybridkv_cli.compression.base import PrefillLayer
+from hybridkv_cli.compression.lookm import LookM, cumulative_attention, pivot_merge
+from hybridkv_cli.compression.madakv import MadaKV, plan_modalities
+from hybridkv_cli.compression.quest import Quest, page_bounds
+from hybridkv_cli.compression.scoring import proportional_split, snap_keep
+from hybridkv_cli.compression.selection import keep_top_tiered
+from hybridkv_cli.compression.snapkv import SnapKV
+from hybridkv_cli.compression.sparsemm import SparseMM, head_budgets
+from hybridkv_cli.compression.streamingllm import StreamingLLM
+from hybridkv_cli.errors import HybridKVError
+from hybridkv_cli.generation import generate
+from hybridkv_cli.media import load_media
+from hybridkv_cli.models import build_demo
+from hybridkv_cli.prompt import build_prompt
+
+NAMES = sorted(METHODS)
+KINDS = ["images", "video"]
+QUESTION = "What happens?"
+NEW_TOKENS = 6
+LOW = 0.1
+# Device bytes after prefill at b = LOW, as a share of the full cache: the budget plus rounding
+# (round(b·N) per head) and indices; hybridkv also pays landmarks and power-of-two chunk counts
+# (DESIGN §4: the 0.13 bound at b = 0.1).
+SLACK = {"hybridkv": 0.03}
+DEFAULT_SLACK = 0.005
+FULL_BY_DESIGN = {"full", "quest"}
+
+
+# ----------------------------------------------------------------------------------------------
+# shared fixtures: the demo model, an image set (~420 tokens) and a video (~1.2k tokens)
+# ----------------------------------------------------------------------------------------------
+
+
+def _blocky(rng, w: int, h: int, cell: int) -> np.ndarray:
+    """Random colour blocks: varied tokens, so the demo's greedy output is not one repeated id."""
+    return rng.integers(0, 256, (h // cell, w // cell, 3), dtype=np.uint8).repeat(cell, 0).repeat(cell, 1)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return build_demo()
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    root = tmp_path_factory.mktemp("methods_media")
+    rng = np.random.default_rng(0)
+    images = []
+    for i, (w, h) in enumerate([(448, 336), (336, 448)]):
+        images.append(root / f"image{i}.png")
+        Image.fromarray(_blocky(rng, w, h, 16)).save(images[-1])
+    video = root / "blocks.mp4"
+    rng = np.random.default_rng(1)
+    with av.open(str(video), "w") as c:
+        s = c.add_stream("libx264", rate=4)
+        s.width, s.height, s.pix_fmt = 224, 168, "yuv420p"
+        s.options = {"preset": "ultrafast", "crf": "20"}
+        for _ in range(32):
+            frame = av.VideoFrame.from_ndarray(_blocky(rng, 224, 168, 16), format="rgb24")
+            for p in s.encode(frame):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return {"images": load_media(images), "video": load_media(video, frames=16)}
+
+
+@pytest.fixture(scope="module")
+def prompts(demo, media):
+    return {kind: build_prompt(demo.processor, m, QUESTION) for kind, m in media.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(demo, prompts):
+    """``full`` at every kind: the tokens and device bytes the others are compared with."""
+    full = make_policy("full")
+    return {kind: generate(demo.model, p, full, max_new_tokens=NEW_TOKENS) for kind, p in prompts.items()}
+
+
+def test_fixture_prompts_are_mixed_and_long_enough(prompts, reference):
+    assert 300 < prompts["images"].length < 600 and 1000 < prompts["video"].length < 2000
+    for kind, p in prompts.items():
+        assert 0 < p.visual_tokens < p.length
+        tokens = reference[kind].tokens
+        assert len(tokens) == NEW_TOKENS and len(set(tokens)) > 1  # a repeated id would prove little
+
+
+# ----------------------------------------------------------------------------------------------
+# the shared matrix
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", NAMES)
+def test_budget_one_reproduces_full(demo, prompts, reference, name, kind):
+    run = generate(demo.model, prompts[kind], make_policy(name, budget=1.0), max_new_tokens=NEW_TOKENS)
+    assert run.tokens == reference[kind].tokens
+    # ... because nothing was dropped: at least the full cache's bytes are on the device.
+    assert run.device_bytes_after_prefill >= reference[kind].device_bytes_after_prefill
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_low_budget_device_bytes(demo, prompts, reference, name):
+    prompt = prompts["video"]
+    policy = make_policy(name, budget=LOW)
+    run = generate(demo.model, prompt, policy, max_new_tokens=NEW_TOKENS)
+    full = reference["video"].device_bytes_after_prefill
+    if name not in FULL_BY_DESIGN:
+        assert run.device_bytes_after_prefill <= (LOW + SLACK.get(name, DEFAULT_SLACK)) * full
+        return
+    if name == "full":
+        assert run.device_bytes_after_prefill == full
+        return
+    # quest keeps every entry on the device, and says so: full store + page min/max metadata.
+    cfg = demo.model.config.get_text_config()
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    n, page = prompt.length, policy.page_size
+    metadata = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * ((n - 1) // page) * dim * demo.dtype.itemsize
+    assert run.device_bytes_after_prefill == full + metadata
+    layers = [layer.kv for layer in run.cache.layers]
+    assert all(kv.steps == len(run.tokens) - 1 for kv in layers)
+    assert all(0 < kv.max_read <= round(LOW * n) for kv in layers)
+    assert policy.summary()["read_entries_per_head"] == [kv.max_read for kv in layers]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", NAMES)
+def test_ask_reports_json(demo, media, name, kind):
+    result = ask(demo, media[kind], QUESTION, method=name, budget=LOW, max_new_tokens=4)
+    assert isinstance(result["answer"], str)
+    assert result["method"] == name and result["decode"]["tokens"] >= 1
+    json.dumps(result, allow_nan=False)  # heads / summary included
+
+
+# ----------------------------------------------------------------------------------------------
+# constructed layers
+# ----------------------------------------------------------------------------------------------
+
+
+def make_layer(n=64, heads=2, group=2, dim=16, visual=None, index=0, seed=0) -> PrefillLayer:
+    g = torch.Generator().manual_seed(seed)
+    if visual is None:
+        visual = torch.zeros(n, dtype=torch.bool)
+        visual[4 : n - 12] = True
+    return PrefillLayer(
+        index=index,
+        query=torch.randn(heads, group, n, dim, generator=g),
+        keys=torch.randn(heads, n, dim, generator=g),
+        values=torch.randn(heads, n, dim, generator=g),
+        visual=visual,
+        scale=dim**-0.5,
+    )
+
+
+def kept_rows(store, layer) -> list[list[int]]:
+    """Positions of each head's store rows, found by matching keys against the layer's keys."""
+    out = []
+    for h in range(store.num_heads):
+        rows = store.keys[int(store.offsets[h]) : int(store.offsets[h] + store.lengths[h])]
+        match = (rows[:, None] == layer.keys[h][None]).all(-1)
+        assert (match.sum(1) == 1).all()
+        out.append(match.float().argmax(1).tolist())
+    return out
+
+
+def test_keep_top_tiered_is_lexicographic():
+    priority = torch.tensor([[5.0, 1e6, 3.0, 2.0, 4.0]])
+    tier = torch.tensor([1.0, 0.0, 1.0, 2.0, 0.0])
+    assert keep_top_tiered(priority, tier, torch.tensor([3])).nonzero()[:, 1].tolist() == [0, 2, 3]
+    assert keep_top_tiered(priority, tier, torch.tensor([4])).nonzero()[:, 1].tolist() == [0, 1, 2, 3]
+    assert keep_top_tiered(priority, tier, torch.tensor([9])).all()
+
+
+def test_proportional_split_water_fills_and_sums_exactly():
+    caps = torch.tensor([100, 100, 5, 100])
+    counts = proportional_split(90, torch.tensor([1.0, 2.0, 6.0, 0.0]), caps)
+    assert counts.tolist() == [28, 57, 5, 0]  # head 2 capped; its excess shared 1:2
+    assert proportional_split(1000, torch.rand(4), caps).tolist() == caps.tolist()
+    assert sorted(proportional_split(10, torch.zeros(3), torch.tensor([9, 9, 9])).tolist()) == [3, 3, 4]
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        w, c = torch.rand(5, generator=g), torch.randint(0, 40, (5,), generator=g)
+        total = int(torch.randint(0, 150, (1,), generator=g))
+        out = proportional_split(total, w, c)
+        assert int(out.sum()) == min(total, int(c.sum())) and (out <= c).all() and (out >= 0).all()
+
+
+def test_snap_keep_window_then_scores_within_allowed():
+    pooled = torch.tensor([[0.9, 0.1, 0.8, 0.2, 0.05, 0.0, 0.01]])
+    assert snap_keep(pooled, 2, torch.tensor([4])).nonzero()[:, 1].tolist() == [0, 2, 5, 6]
+    visual = torch.tensor([False, True, False, True, True, False, False])
+    assert snap_keep(pooled, 2, torch.tensor([9]), allowed=visual).nonzero()[:, 1].tolist() == [1, 3, 4]
+
+
+def test_snapkv_keeps_window_plus_top_pooled_scores():
+    layer = make_layer(n=80)
+    layer.keys[:, 20] = layer.query[:, :, -8:].mean(dim=(1, 2)) * 8  # what the window attends to
+    store = SnapKV(budget=0.5, window=8).compress(layer)
+    assert store.lengths.tolist() == [40, 40]
+    for rows in kept_rows(store, layer):
+        assert set(range(72, 80)) <= set(rows) and 20 in rows
+
+
+def test_streamingllm_keeps_exactly_sinks_and_recent():
+    layer = make_layer(n=50)
+    store = StreamingLLM(budget=0.2).compress(layer)
+    assert kept_rows(store, layer) == [[0, 1, 2, 3, 44, 45, 46, 47, 48, 49]] * 2
+    assert torch.equal(store.values[:4], layer.values[0, :4])
+    tiny = StreamingLLM(budget=0.05, sinks=4).compress(layer)  # 2 entries: both sinks
+    assert kept_rows(tiny, layer) == [[0, 1]] * 2
+
+
+@pytest.mark.parametrize("block_elements", [1, 300, 1 << 24])
+def test_cumulative_attention_matches_full_matrix(block_elements):
+    layer = make_layer(n=37)
+    s = torch.einsum("hgid,hjd->hgij", layer.query, layer.keys) * layer.scale
+    s.masked_fill_(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf"))
+    expected = s.softmax(-1).sum(2).mean(1)
+    got = cumulative_attention(layer.query, layer.keys, layer.scale, block_elements=block_elements)
+    torch.testing.assert_close(got, expected)
+    assert got.sum(1).tolist() == pytest.approx([37.0, 37.0], rel=1e-5)  # every query row sums to 1
+
+
+def test_lookm_merge_averages_into_most_similar_kept_key():
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.9, 0.1], [0.1, 0.9], [1.0, 0.05]]])
+    values = torch.arange(10.0).view(1, 5, 2)
+    keep = torch.tensor([[True, True, False, False, False]])
+    k, v = pivot_merge(keys, values, keep)
+    torch.testing.assert_close(k[0, 0], keys[0, [0, 2, 4]].mean(0))
+    torch.testing.assert_close(k[0, 1], keys[0, [1, 3]].mean(0))
+    torch.testing.assert_close(v[0, 0], values[0, [0, 2, 4]].mean(0))  # values follow the keys
+    torch.testing.assert_close(v[0, 1], values[0, [1, 3]].mean(0))
+    k1, v1 = pivot_merge(keys, values, torch.ones(1, 5, dtype=torch.bool))
+    assert torch.equal(k1, keys) and torch.equal(v1, values)
+    with pytest.raises(ValueError):
+        uneven = torch.tensor([[True] * 2 + [False] * 3, [True] * 5])
+        pivot_merge(keys.expand(2, -1, -1), values.expand(2, -1, -1), uneven)
+
+
+def test_lookm_keeps_recent_half_then_text_before_visual():
+    visual = torch.zeros(60, dtype=torch.bool)
+    visual[4:54] = True  # text: 0..3 and 54..59
+    layer = make_layer(n=60, visual=visual)
+    policy = LookM(budget=0.2)  # 12 entries: the 6 most recent, then the 4 early text tokens, then 2 visual
+    keep = policy.keep(layer)
+    assert keep.sum(1).tolist() == [12, 12]
+    for h in range(2):
+        kept = keep[h].nonzero().flatten().tolist()
+        assert kept[:4] == [0, 1, 2, 3] and kept[-6:] == list(range(54, 60))
+        assert all(layer.visual[p] for p in kept[4:6])
+    store = policy.compress(layer)
+    assert store.lengths.tolist() == [12, 12]
+    assert not torch.equal(store.keys[:12], layer.keys[0, keep[0]])  # evicted entries were merged in
+
+
+def test_sparsemm_budgets_follow_scores_with_floor():
+    counts = head_budgets(torch.tensor([0.0, 1.0, 2.0]), budget=0.1, length=1000, min_share=0.1)
+    assert counts.tolist() == [10, 100, 190] and int(counts.sum()) == 300
+    assert head_budgets(torch.tensor([0.0, 1.0, 30.0]), 1.0, 100, 0.1).tolist() == [100, 100, 100]
+
+
+def test_sparsemm_reads_score_file_and_reports_on_the_fly(tmp_path):
+    path = tmp_path / "scores.json"
+    path.write_text(json.dumps({"scores": [[0.0, 9.0]]}))
+    layer = make_layer(n=100)
+    store = SparseMM(budget=0.2, head_scores=str(path)).compress(layer)
+    assert store.lengths.tolist() == [2, 38]
+    on_the_fly = SparseMM(budget=0.2)
+    on_the_fly.compress(layer)
+    summary = on_the_fly.summary()
+    assert "on the fly" in summary["head_scores"]
+    visual_mass = summary["per_layer"]["scores"][0]
+    assert len(visual_mass) == 2 and all(0 < s < 1 for s in visual_mass)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "not found"),
+        ("{not json", "not JSON"),
+        (json.dumps([[1, 2]]), "expected"),
+        (json.dumps({"scores": []}), "expected"),
+        (json.dumps({"scores": [[1, "a"]]}), "non-negative"),
+        (json.dumps({"scores": [[1, -1]]}), "non-negative"),
+        ('{"scores": [[1, NaN]]}', "non-negative"),
+        (json.dumps({"scores": [[1, 2], [1]]}), "layer 1 has 1 scores"),
+    ],
+)
+def test_sparsemm_score_file_errors(tmp_path, content, message):
+    path = tmp_path / "scores.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(HybridKVError, match=message):
+        make_policy("sparsemm", head_scores=str(path))
+
+
+def test_sparsemm_score_file_shape_must_match_model(tmp_path):
+    path = tmp_path / "scores.json"
+    path.write_text(json.dumps({"scores": [[1.0, 2.0, 3.0]]}))
+    with pytest.raises(HybridKVError, match="3 scores, the model has 2 KV heads"):
+        SparseMM(head_scores=str(path)).compress(make_layer())
+    path.write_text(json.dumps({"scores": [[1.0, 2.0]]}))
+    with pytest.raises(HybridKVError, match="scores for 1 layers"):
+        SparseMM(head_scores=str(path)).compress(make_layer(index=1))
+
+
+def test_madakv_splits_by_preference_and_carries_unused_budget():
+    visual = torch.zeros(100, dtype=torch.bool)
+    visual[10:] = True  # 10 text tokens
+    plan = plan_modalities(torch.tensor([0.9, 0.2]), visual, budget=40, carry_in=0)
+    # Head 0 wants 18 text entries but only 10 exist: 8 carried; head 1 splits 4 / 16.
+    assert plan.text.tolist() == [10, 4] and plan.visual.tolist() == [2, 16] and plan.carry_out == 8
+    nxt = plan_modalities(torch.tensor([0.2, 0.3]), visual, budget=40, carry_in=plan.carry_out)
+    assert int(nxt.text.sum() + nxt.visual.sum()) == 48 and nxt.carry_out == 0
+    # Near b = 1 the next layer cannot place the carry: it goes to the other modality instead.
+    tight = plan_modalities(torch.tensor([0.9, 0.2]), visual, budget=195, carry_in=0)
+    assert tight.carry_out == 5 and int(tight.text.sum() + tight.visual.sum()) == 195 - 5
+    full = plan_modalities(torch.tensor([0.9, 0.2]), visual, budget=200, carry_in=0)
+    assert full.text.tolist() == [10, 10] and full.visual.tolist() == [90, 90] and full.carry_out == 0
+
+
+def test_madakv_policy_carries_between_layers_and_resets():
+    policy = MadaKV(budget=0.1, window=8)
+    visual = torch.zeros(200, dtype=torch.bool)
+    visual[3:190] = True  # 13 text tokens, the last 10 in the window
+    sizes = []
+    for _ in range(2):  # reused for a second generation: same result
+        stores = []
+        for i in range(3):
+            layer = make_layer(n=200, visual=visual, index=i, seed=i)
+            shared = torch.nn.functional.normalize(torch.ones(16), dim=0) * 6  # text-preferring heads:
+            layer.query[:, :, -8:] += shared  # the window queries and the text keys share a direction
+            layer.keys[:, ~visual] += shared
+            stores.append(policy.compress(layer))
+        sizes.append([int(s.lengths.sum()) for s in stores])
+        summary = policy.summary()
+    assert sizes[0] == sizes[1]
+    carry_in = summary["per_layer"]["carry_in"]
+    assert carry_in[0] == 0 and carry_in[1] > 0
+    carry_out = [*carry_in[1:], summary["unused_entries"]]
+    assert sizes[0] == [40 + c_in - c_out for c_in, c_out in zip(carry_in, carry_out)]
+    assert sum(sizes[0]) + summary["unused_entries"] == 3 * 40
+    json.dumps(summary)
+
+
+def test_quest_page_bound_is_the_direct_formula_and_an_upper_bound():
+    g = torch.Generator().manual_seed(0)
+    q, keys = torch.randn(2, 3, 16, generator=g), torch.randn(2, 5, 8, 16, generator=g)
+    lo, hi = keys.amin(2), keys.amax(2)
+    direct = torch.maximum(q[:, :, None] * lo[:, None], q[:, :, None] * hi[:, None]).sum(-1).amax(1)
+    bound = page_bounds(q, lo, hi)
+    torch.testing.assert_close(bound, direct)
+    true_max = torch.einsum("hgd,hpcd->hgpc", q, keys).amax(dim=(1, 3))
+    assert (bound >= true_max - 1e-5).all()
+
+
+def test_quest_reads_top_pages_and_the_last_page():
+    layer = make_layer(n=83, heads=1, group=2)  # 10 selectable pages + a last page of 3
+    kv = Quest(budget=0.3).compress(layer)  # round(24.9) = 25 entries: 2 pages + the last 3
+    assert kv.pages == 2 and kv.read_entries == 19
+    q = torch.randn(1, 2, 16, generator=torch.Generator().manual_seed(1))
+    layer.keys[0, 42] = q[0, 0] * 10  # page 5 holds the best key
+    kv = Quest(budget=0.3).compress(layer)
+    chosen = page_bounds(q, kv.kmin, kv.kmax).topk(2).indices.sort().values[0].tolist()
+    assert 5 in chosen
+    rows = [p * 8 + i for p in chosen for i in range(8)] + [80, 81, 82]
+    s = (q[0] @ layer.keys[0, rows].T) * layer.scale
+    expected = s.softmax(-1) @ layer.values[0, rows]
+    torch.testing.assert_close(kv.attend(q, layer.scale)[0], expected)
+    assert kv.max_read == 19 and kv.device_bytes() > kv.store.device_bytes()
+    assert math.isclose(kv.device_bytes() - kv.store.device_bytes(), 2 * 10 * 16 * 4)
