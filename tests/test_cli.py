@@ -1,0 +1,192 @@
+"""The command line: the JSON schema, stdout/stderr discipline, exit codes, one-line errors.
+
+Two real subprocesses (started together: each pays ~5 s of imports) check the console entry
+points; the rest runs in process through ``cli.run(argv)`` with the demo model built once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridkv_cli import cli
+
+sys.path.insert(0, str(Path(__file__).parent))
+from media_fixtures import make_image, make_video  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = REPO / "sample_media" / "shapes.mp4"
+FAST = ["--model", "demo", "--frames", "4", "--max-pixels", str(28 * 28 * 6), "--max-new-tokens", "2"]
+
+SCHEMA = {
+    "input": {"kind": str, "label": str, "files": list, "frames_total": (int, type(None)), "frames_used": int,
+              "visual_tokens": int, "text_tokens": int},
+    "question": str, "answer": str, "method": str, "budget": float, "prefill_s": float,
+    "decode": {"tokens": int, "ms_per_token_mean": (float, type(None)), "p50": (float, type(None)),
+               "p90": (float, type(None))},
+    "kv": {"device_bytes": int, "device_bytes_after_prefill": int, "host_bytes": int, "full_bytes": int,
+           "ratio_vs_full": (float, type(None)), "prefill_peak_bytes": int, "cuda_peak_bytes": (int, type(None))},
+    "traffic": (dict, type(None)), "heads": (dict, type(None)), "model": str, "device": str, "dtype": str,
+    "note": (str, type(None)),
+}
+
+
+def check_schema(record: dict, schema: dict = SCHEMA) -> None:
+    assert set(record) == set(schema), set(record) ^ set(schema)
+    for key, kind in schema.items():
+        if isinstance(kind, dict):
+            check_schema(record[key], kind)
+        else:
+            assert isinstance(record[key], kind) and not isinstance(record[key], bool), (key, record[key])
+
+
+# --- real processes -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory):
+    if not SAMPLE.exists():
+        pytest.skip("run scripts/make_sample_media.py")
+    missing = str(tmp_path_factory.mktemp("p") / "missing clip.mp4")
+    hybridkv = Path(sys.executable).parent / "hybridkv"
+    cmds = {
+        "json": [str(hybridkv) if hybridkv.exists() else sys.executable, *([] if hybridkv.exists() else
+                 ["-m", "hybridkv_cli.cli"]), "ask", str(SAMPLE), "What happens?", "--model", "demo", "--json",
+                 "--max-new-tokens", "4"],
+        "missing": [sys.executable, "-m", "hybridkv_cli.cli", "ask", missing, "What?", "--model", "demo"],
+    }
+    running = {k: subprocess.Popen(c, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for k, c in cmds.items()}
+    done = {k: (p.wait(timeout=300), *p.communicate()) for k, p in running.items()}
+    return done, missing
+
+
+def test_json_subprocess_prints_exactly_one_object(procs):
+    (code, out, err), _ = procs[0]["json"], procs[1]
+    assert code == 0, err
+    assert out.count("\n") == 1 and out.endswith("}\n")
+    record = json.loads(out)
+    check_schema(record)
+    assert record["input"]["kind"] == "video" and record["input"]["frames_used"] == 64
+    assert record["question"] == "What happens?" and record["model"] == "demo" and record["decode"]["tokens"] <= 4
+    assert "{" not in err  # status and progress never reach stdout, and nothing JSON on stderr
+
+
+def test_runtime_error_subprocess_is_one_line(procs):
+    done, missing = procs
+    code, out, err = done["missing"]
+    assert code == 1 and out == ""
+    assert err == f"error: {missing}: no such file or directory\n"  # no traceback (--debug: in process below)
+
+
+# --- in process -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo():
+    from hybridkv_cli.models import build_demo
+
+    return build_demo()
+
+
+@pytest.fixture(autouse=True)
+def cached_demo(demo, monkeypatch):
+    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: demo)
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    return make_video(tmp_path_factory.mktemp("clip") / "clip.mp4", n=8)
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["{clip}", "q", "--budget", "0"], "error: --budget: budget must be in (0, 1], got 0.0"),
+    (["{clip}", "q", "--budget", "1.5"], "error: --budget: budget must be in (0, 1], got 1.5"),
+    (["{clip}", "q", "--method", "nope"], "error: --method: unknown method 'nope' (available: "),
+    (["{clip}", ""], "error: QUESTION: the question is empty"),
+    (["{clip}", " \t\n "], "error: QUESTION: the question is empty"),
+    (["{clip}", "\x1b[0m\x07"], "error: QUESTION: the question is empty (after removing control characters)"),
+    ([], "error: Missing argument 'MEDIA... QUESTION'."),
+    (["{clip}"], "error: arguments: give one or more media files"),
+    (["{clip}", "q", "--max-new-tokens", "0"], "error: Invalid value for '--max-new-tokens'"),
+    (["{clip}", "q", "--nope"], "error: No such option: --nope"),
+    (["{clip}", "q", "--frames", "0"], "error: frames must be positive"),
+])
+def test_usage_errors_exit_2_with_one_line(argv, reason, clip, capsys):
+    code = cli.run(["ask", *[a.format(clip=clip) for a in argv], "--model", "demo"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith(reason) and err.count("\n") == 1, err
+
+
+def test_runtime_errors_exit_1_with_one_line(tmp_path, capsys):
+    (tmp_path / "text.mp4").write_text("not a video")
+    (tmp_path / "empty dir").mkdir()
+    cases = {
+        str(tmp_path / "gone.mp4"): "no such file or directory",
+        str(tmp_path / "text.mp4"): "file content is text, not a video",
+        str(tmp_path / "empty dir"): "no image files in directory",
+    }
+    for path, reason in cases.items():
+        assert cli.run(["ask", path, "What?", *FAST]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"error: {path}: {reason}") and err.count("\n") == 1, err
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    from hybridkv_cli.errors import MediaError
+
+    with pytest.raises(MediaError):
+        cli.run(["ask", str(tmp_path / "gone.mp4"), "What?", "--debug", *FAST])
+
+
+def test_human_report_on_stdout_nothing_else(clip, capsys):
+    assert cli.run(["ask", str(clip), "What happens?", *FAST]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    for row in ("input", "prompt", "method", "prefill", "decode", "KV memory", "heads", "model"):
+        assert f"\n{row} " in out
+    assert "demo model" in out and "{" not in out
+
+
+def test_json_in_process(clip, capsys):
+    assert cli.run(["ask", str(clip), "  What\r\nhappens?\x07 ", "--json", "--quiet", *FAST]) == 0
+    out, err = capsys.readouterr()
+    record = json.loads(out)
+    check_schema(record)
+    assert record["question"] == "What\nhappens?" and err == ""
+
+
+def test_out_of_memory_single_input(clip, capsys, monkeypatch):
+    def oom(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+
+    monkeypatch.setattr("hybridkv_cli.api.ask", oom)
+    assert cli.run(["ask", str(clip), "What?", *FAST]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: {clip}: out of device memory (tried to allocate 1.00 GiB); try a lower --budget, fewer "
+                   "--frames or a lower --max-pixels\n")
+
+
+def test_ctrl_c_single_input(clip, capsys, monkeypatch):
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("hybridkv_cli.api.ask", interrupted)
+    assert cli.run(["ask", str(clip), "What?", *FAST]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_help_explains_outputs_and_exit_codes(capsys):
+    assert cli.run(["ask", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in ("--jsonl", "--json", "--each", "--output", "--resume", "--quiet", "read from stdin",
+                   "Exit status: 0", "130 interrupted"):
+        assert needle in text, needle
+
+
+def test_profile_still_runs(tmp_path, capsys):
+    img = make_image(tmp_path / "a.png")
+    assert cli.run(["profile", str(img), "What?", "--budgets", "0.5", "--json", "-q", *FAST]) == 0
+    assert "sweep" in json.loads(capsys.readouterr().out)
