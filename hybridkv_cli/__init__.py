@@ -1,7 +1,17 @@
-"""hybridkv: answer questions about videos and image sets with Qwen2.5-VL under a KV-cache budget."""
+"""hybridkv: answer questions about videos and image sets with Qwen2.5-VL under a KV-cache budget.
 
-from hybridkv_cli.api import ask
-from hybridkv_cli.media import load_media
-from hybridkv_cli.models import load_model
+``from hybridkv_cli import ask, load_media, load_model``; they are imported on first use so that
+the CLI's ``--help`` and error paths do not pay for torch and transformers.
+"""
 
 __all__ = ["ask", "load_media", "load_model"]
+
+_HOMES = {"ask": "hybridkv_cli.api", "load_media": "hybridkv_cli.media", "load_model": "hybridkv_cli.models"}
+
+
+def __getattr__(name):
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'hybridkv_cli' has no attribute {name!r}")
