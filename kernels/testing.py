@@ -27,3 +27,19 @@ def assert_close(ref: torch.Tensor, out: torch.Tensor, rtol: float, name: str = 
     e = rel_err(ref, out)
     if e > rtol:
         raise AssertionError(f"{name}: relative error {e:.3e} > {rtol:.1e}")
+
+
+def ragged_store(lengths, d, dtype, gap=3, seed=0, device="cpu"):
+    """A flat ragged store with unused rows between (and before) the head segments.
+
+    Returns ``(keys, values, offsets, lengths)`` as the decode-attention op takes them.
+    """
+    g = torch.Generator().manual_seed(seed)
+    offsets, row = [], gap
+    for n in lengths:
+        offsets.append(row)
+        row += n + gap
+    keys = torch.randn(row, d, generator=g).to(dtype)
+    values = torch.randn(row, d, generator=g).to(dtype)
+    return (keys.to(device), values.to(device), torch.tensor(offsets, device=device),
+            torch.tensor(lengths, device=device))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hybridkv_kernels as hk
-from hybridkv_kernels.testing import assert_close
+from hybridkv_kernels.testing import assert_close, ragged_store
 
 if not hk.HAS_TRITON:
     pytest.skip("triton not installed", allow_module_level=True)
@@ -26,16 +26,7 @@ DEV = torch.device("cpu" if INTERPRET else "cuda")
 
 
 def _store(lengths, d, dtype, gap=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    offsets, row = [], gap
-    for n in lengths:
-        offsets.append(row)
-        row += n + gap
-    keys = torch.randn(row, d, generator=g).to(dtype)
-    values = torch.randn(row, d, generator=g).to(dtype)
-    return keys.to(DEV), values.to(DEV), torch.tensor(offsets, device=DEV), \
-        torch.tensor(lengths, device=DEV)
-
+    return ragged_store(lengths, d, dtype, gap, seed, DEV)
 
 def _f32(*ts):
     return [None if t is None else t.float() for t in ts]

@@ -21,22 +21,13 @@ import torch
 import torch.nn.functional as F
 
 import hybridkv_kernels as hk
-from hybridkv_kernels.testing import assert_close
+from hybridkv_kernels.testing import assert_close, ragged_store
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _store(lengths, d, dtype, gap=3, seed=0):
-    """A flat ragged store with unused rows between (and before) the head segments."""
-    g = torch.Generator().manual_seed(seed)
-    offsets, row = [], gap
-    for n in lengths:
-        offsets.append(row)
-        row += n + gap
-    keys = torch.randn(row, d, generator=g).to(dtype)
-    values = torch.randn(row, d, generator=g).to(dtype)
-    return keys, values, torch.tensor(offsets), torch.tensor(lengths)
-
+    return ragged_store(lengths, d, dtype, gap, seed)
 
 def _attention_by_definition(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, scale):
     """Per query head, fp64 softmax over the explicit concatenation of its rows."""

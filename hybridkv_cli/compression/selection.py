@@ -18,10 +18,7 @@ def keep_top(priority: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     -------
     BoolTensor [H, N]
     """
-    order = priority.argsort(dim=1, descending=True, stable=True)
-    ranks = torch.arange(priority.shape[1], device=priority.device).expand_as(order)
-    keep_sorted = ranks < counts.clamp(0, priority.shape[1]).unsqueeze(1)
-    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+    return keep_top_tiered(priority, priority.new_zeros(()), counts)
 
 
 def keep_top_tiered(priority: torch.Tensor, tier: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv_cli.compression.selection import keep_top
-
-# Priority tiers: pooled attention is in [0, 1], so a tier step of 4 can never be crossed by scores.
-_TIER = 4.0
+from hybridkv_cli.compression.selection import keep_top_tiered
 
 
 def text_prior_keep(pooled: torch.Tensor, visual: torch.Tensor, window: int, budgets: torch.Tensor) -> torch.Tensor:
@@ -25,6 +22,6 @@ def text_prior_keep(pooled: torch.Tensor, visual: torch.Tensor, window: int, bud
         Entries per head.
     """
     n = pooled.shape[1]
-    tier = (~visual).float()
-    tier[max(0, n - window):] = 2.0
-    return keep_top(pooled.float() + _TIER * tier, budgets)
+    tier = (~visual).long()  # text 1, visual 0
+    tier[max(0, n - window):] = 2
+    return keep_top_tiered(pooled, tier, budgets)
