@@ -85,7 +85,7 @@ def test_runtime_error_subprocess_is_one_line(procs):
 # --- in process -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo():
-    from hybridkv_cli.models import build_demo
+    from hybridkv_cli.demo import build_demo
 
     return build_demo()
 

@@ -9,7 +9,7 @@ from hybridkv_cli.api import ask
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.generation import generate
 from hybridkv_cli.media import load_media
-from hybridkv_cli.models import build_demo
+from hybridkv_cli.demo import build_demo
 from hybridkv_cli.prompt import build_prompt
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_media"

@@ -15,7 +15,7 @@ import json, torch
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.generation import generate
 from hybridkv_cli.media import load_media
-from hybridkv_cli.models import build_demo
+from hybridkv_cli.demo import build_demo
 from hybridkv_cli.prompt import build_prompt
 from hybridkv_kernels import resolve_backend
 demo = build_demo()

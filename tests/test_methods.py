@@ -31,7 +31,7 @@ from hybridkv_cli.compression.streamingllm import StreamingLLM
 from hybridkv_cli.errors import HybridKVError
 from hybridkv_cli.generation import generate
 from hybridkv_cli.media import load_media
-from hybridkv_cli.models import build_demo
+from hybridkv_cli.demo import build_demo
 from hybridkv_cli.prompt import build_prompt
 
 NAMES = sorted(METHODS)

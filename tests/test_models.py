@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from hybridkv_cli import demo as D
 from hybridkv_cli import models as M
 from hybridkv_cli.errors import ModelError, UsageError
 
@@ -21,7 +22,7 @@ from hybridkv_cli.errors import ModelError, UsageError
 
 @pytest.fixture(scope="module")
 def demo() -> M.LoadedModel:
-    return M.build_demo()
+    return D.build_demo()
 
 
 def _images(sizes=((112, 112), (56, 84))):
@@ -66,7 +67,7 @@ def _generate(lm, inputs, n=6):
 def test_demo_is_deterministic_and_leaves_global_rng_alone(demo):
     torch.manual_seed(1234)
     before = torch.get_rng_state()
-    other = M.build_demo()
+    other = D.build_demo()
     assert torch.equal(torch.get_rng_state(), before)
 
     sd1, sd2 = demo.model.state_dict(), other.model.state_dict()
@@ -76,7 +77,7 @@ def test_demo_is_deterministic_and_leaves_global_rng_alone(demo):
     inputs = _image_inputs(demo, _images())
     assert _generate(demo, inputs) == _generate(other, inputs)
 
-    different = M.build_demo(seed=1)
+    different = D.build_demo(seed=1)
     w = "model.language_model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(different.model.state_dict()[w], sd1[w])
 
@@ -90,7 +91,7 @@ def test_demo_metadata_and_mode(demo):
 
 def test_special_token_ids_match_config(demo):
     tok, cfg = demo.processor.tokenizer, demo.model.config
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>",) + M.DEMO_SPECIAL_TOKENS}
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>",) + D.DEMO_SPECIAL_TOKENS}
     assert len(set(ids.values())) == len(ids)
     assert cfg.image_token_id == ids["<|image_pad|>"] == demo.processor.image_token_id
     assert cfg.video_token_id == ids["<|video_pad|>"] == demo.processor.video_token_id
@@ -206,7 +207,7 @@ def test_generate_video_and_bf16(demo):
     inputs = _video_inputs(demo, _video(t=8, h=56, w=56))
     tokens = _generate(demo, inputs, n=4)
     assert len(tokens) <= 4 and all(0 <= t < len(demo.processor.tokenizer) for t in tokens)
-    bf16 = M.build_demo(dtype="bfloat16")
+    bf16 = D.build_demo(dtype="bfloat16")
     assert bf16.dtype == torch.bfloat16 and next(bf16.model.parameters()).dtype == torch.bfloat16
     logits = bf16.model(**inputs).logits
     assert torch.isfinite(logits.float()).all()

@@ -35,7 +35,7 @@ OPTS = AskOptions(model="demo", frames=4, max_pixels=SMALL, max_new_tokens=2)
 
 @pytest.fixture(scope="module")
 def demo():
-    from hybridkv_cli.models import build_demo
+    from hybridkv_cli.demo import build_demo
 
     return build_demo()
 
