@@ -6,48 +6,54 @@ from hybridkv_cli.compression import Policy, make_policy
 from hybridkv_cli.generation import generate
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.models import LoadedModel
-from hybridkv_cli.prompt import build_prompt
+from hybridkv_cli.errors import UsageError
+from hybridkv_cli.prompt import Prompt, build_prompt, build_text_prompt
 from hybridkv_cli.report import DEMO_NOTE, latency_stats
+
+
+def make_prompt(loaded: LoadedModel, media: MediaInput | None, question: str, context: str | None = None) -> Prompt:
+    """The prompt for ``question`` about ``media`` (a media prompt) or about ``context`` (a text
+    prompt: ``media`` None)."""
+    if media is None:
+        return build_text_prompt(loaded.tokenizer, context or "", question)
+    if context is not None:
+        raise UsageError("give media or a text context, not both", "--context")
+    if not loaded.multimodal:
+        raise UsageError(f"{loaded.name} is a text model: it takes a text context (--context FILE), not media",
+                         media.label)
+    return build_prompt(loaded.processor, media, question)
 
 
 def ask(
     loaded: LoadedModel,
-    media: MediaInput,
+    media: MediaInput | None,
     question: str,
     *,
+    context: str | None = None,
     method: str | Policy = "hybridkv",
     max_new_tokens: int = 128,
     **options,
 ) -> dict:
-    """Answer ``question`` about ``media`` with the KV cache compressed by ``method``.
+    """Answer ``question`` about ``media``, or about the text ``context`` when ``media`` is None,
+    with the KV cache compressed by ``method``.
 
     ``method`` is a registered name or a ready ``Policy``; ``options`` are the method's
-    parameters (``budget``, ``window``, ``theta``, ...), ignored where a method does not take them. Returns the result record documented in README
-    ("JSON output").
+    parameters (``budget``, ``window``, ``theta``, ...), ignored where a method does not take
+    them. In a text prompt the context's tokens take the role visual tokens have in a media
+    prompt. Returns the result record documented in README ("JSON output").
     """
     policy = method if isinstance(method, Policy) else make_policy(method, **options)
-    prompt = build_prompt(loaded.processor, media, question)
+    prompt = make_prompt(loaded, media, question, context)
     run = generate(loaded.model, prompt, policy, max_new_tokens=max_new_tokens)
-    tokenizer = loaded.processor.tokenizer
-    text_cfg = loaded.model.config.get_text_config()
-    head_dim = text_cfg.hidden_size // text_cfg.num_attention_heads
     cached_tokens = run.cache.get_seq_length()
-    full_bytes = 2 * text_cfg.num_hidden_layers * text_cfg.num_key_value_heads * head_dim * cached_tokens
+    full_bytes = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * cached_tokens
     full_bytes *= loaded.dtype.itemsize
     device_bytes = run.cache.device_bytes()
     steps = len(run.step_s)
     return {
-        "input": {
-            "kind": media.kind,
-            "label": media.label,
-            "files": [str(p) for p in media.sources],
-            "frames_total": media.frames_total,
-            "frames_used": media.frames_used,
-            "visual_tokens": prompt.visual_tokens,
-            "text_tokens": prompt.text_tokens,
-        },
+        "input": input_record(media, prompt),
         "question": question,
-        "answer": tokenizer.decode(run.tokens, skip_special_tokens=True).strip(),
+        "answer": loaded.tokenizer.decode(run.tokens, skip_special_tokens=True).strip(),
         "method": policy.name,
         "budget": policy.budget,
         "prefill_s": run.prefill_s,
@@ -71,4 +77,20 @@ def ask(
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "note": DEMO_NOTE if loaded.is_demo else None,
+    }
+
+
+def input_record(media: MediaInput | None, prompt: Prompt) -> dict:
+    """What was asked about: the media and their token count, or the text context's."""
+    if media is None:
+        return {"kind": "text", "label": "text", "files": [], "context_tokens": prompt.visual_tokens,
+                "text_tokens": prompt.text_tokens}
+    return {
+        "kind": media.kind,
+        "label": media.label,
+        "files": [str(p) for p in media.sources],
+        "frames_total": media.frames_total,
+        "frames_used": media.frames_used,
+        "visual_tokens": prompt.visual_tokens,
+        "text_tokens": prompt.text_tokens,
     }

@@ -21,14 +21,22 @@ err = Console(stderr=True)
 _state = {"debug": False}
 
 # Options shared by `ask` and `profile`, declared once.
-ARGS = typer.Argument(..., metavar="MEDIA... QUESTION", help="A video, image files or a directory, then the question.")
-MODEL = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help="Hub id, local directory, or 'demo' (offline tiny model).")
+ARGS = typer.Argument(..., metavar="MEDIA... QUESTION", help="A video, image files or a directory, then the question "
+                      "(with --context: the question only).")
+MODEL = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help="Hub id, local directory, 'demo' (offline tiny video-QA "
+                     "model), 'demo-random', 'smollm2' or a .gguf file (text models).")
+CONTEXT = typer.Option(None, "--context", metavar="FILE", help="Ask about the text in FILE instead of media "
+                       "(a text prompt: its tokens take the visual tokens' role); - reads stdin.")
 BUDGET = typer.Option(0.1, help="Device-resident prompt KV as a share of the full cache, in (0, 1].")
 WINDOW = typer.Option(32, help="Observation window: last prompt positions used for scoring, always kept.")
 THETA = typer.Option(0.9, help="HybridKV θ: heads whose sparsity score is >= θ are static.")
 TOPK = typer.Option(0.05, help="HybridKV p: the sparsity score is the attention mass on the top p·N tokens.")
 SHARE = typer.Option(0.75, help="HybridKV r: a dynamic head's budget as a share of the average head budget.")
 CHUNK = typer.Option(8, help="HybridKV: tokens per retrieval chunk.")
+SINKS = typer.Option(None, min=0, help="streamingllm: attention-sink tokens kept at the start [default: 4].")
+PAGE_SIZE = typer.Option(None, min=1, help="quest: tokens per page [default: 8].")
+HEAD_SCORES = typer.Option(None, metavar="FILE", help='sparsemm: JSON {"scores": [[per KV head] per layer]} '
+                           "(offline head scores) instead of scores computed from the prompt.")
 FRAMES = typer.Option(64, help="Frames sampled uniformly from a video.")
 FPS = typer.Option(None, help="Sample frames at this rate instead of --frames.")
 MAX_PIXELS = typer.Option(None, help="Max pixels per frame/image (resized by Qwen2.5-VL's rules).")
@@ -73,19 +81,32 @@ def _status(quiet: bool):
     return (lambda message: nullcontext()) if quiet else (lambda message: err.status(escape(message)))
 
 
-def _prepare(args, model, device, dtype, frames, fps, max_pixels, quiet=False):
-    """Validate the arguments, then load the media (cheap, first) and the model."""
-    from hybridkv_cli.media import load_media
-    from hybridkv_cli.models import load_model
+def _split_args(args: list[str], context: str | None) -> tuple[list[str], str]:
+    """(media paths, question) from MEDIA... QUESTION; with --context only the question."""
     from hybridkv_cli.pipeline import clean_question
 
+    if context is not None:
+        if len(args) != 1:
+            raise UsageError("with --context give only the question (the context replaces the media)", "arguments")
+        return [], clean_question(args[0])
     if len(args) < 2:
-        raise UsageError("give one or more media files (or a directory) followed by the question", "arguments")
-    paths, question = args[:-1], clean_question(args[-1])
-    media = load_media(paths, frames=frames, fps=fps, max_pixels=max_pixels)
+        raise UsageError("give one or more media files (or a directory) followed by the question "
+                         "(or --context FILE and the question)", "arguments")
+    return list(args[:-1]), clean_question(args[-1])
+
+
+def _prepare(args, context, model, device, dtype, frames, fps, max_pixels, quiet=False):
+    """Validate the arguments, then read the input (cheap, first) and load the model."""
+    from hybridkv_cli.media import load_media
+    from hybridkv_cli.models import load_model
+    from hybridkv_cli.pipeline import read_context
+
+    paths, question = _split_args(args, context)
+    media = load_media(paths, frames=frames, fps=fps, max_pixels=max_pixels) if paths else None
+    text = read_context(context) if context is not None else None
     with _status(quiet)(f"loading {model} ..."):
         loaded = load_model(model, device=device, dtype=dtype)
-    return media, question, loaded
+    return media, text, question, loaded
 
 
 @app.command(help=ASK_HELP)
@@ -93,18 +114,20 @@ def ask(
     args: list[str] = ARGS, model: str = MODEL,
     method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`)."),
     budget: float = BUDGET, window: int = WINDOW, theta: float = THETA, sparsity_topk: float = TOPK,
-    share: float = SHARE, chunk_size: int = CHUNK, frames: int = FRAMES, fps: Optional[float] = FPS,
+    share: float = SHARE, chunk_size: int = CHUNK, sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
+    head_scores: Optional[str] = HEAD_SCORES, frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(128, min=1, help="Greedy decoding length limit."),
     device: str = DEVICE, dtype: str = DTYPE, as_json: bool = JSON, each: bool = EACH, jsonl: bool = JSONL,
     output: Optional[Path] = OUTPUT, resume: bool = RESUME, quiet: bool = QUIET, debug: bool = DEBUG,
+    context: Optional[str] = CONTEXT,
 ):
-    from hybridkv_cli.pipeline import AskOptions, Item, Runner, clean_question, plan_inputs, run_batch
+    from hybridkv_cli.pipeline import AskOptions, Item, Runner, plan_inputs, read_context, run_batch
 
     _state["debug"] = debug
-    if len(args) < 2:
-        raise UsageError("give one or more media files (or a directory) followed by the question", "arguments")
-    paths, question = list(args[:-1]), clean_question(args[-1])
+    paths, question = _split_args(args, context)
+    if context is not None and (each or output is not None):
+        raise UsageError("--context is one text input; --each and --output take media inputs", "--context")
     if "\n" not in question and len(question) < 4096 and os.path.exists(question):
         err.print(f"[yellow]warning:[/yellow] the question '{escape(question)}' is an existing path; the question "
                   "comes last (MEDIA... QUESTION)", highlight=False, soft_wrap=True)
@@ -112,9 +135,14 @@ def ask(
         model=model, device=device, dtype=dtype, method=method, frames=frames, fps=fps, max_pixels=max_pixels,
         max_new_tokens=max_new_tokens, method_options=dict(budget=budget, window=window, theta=theta,
                                                            sparsity_topk=sparsity_topk, share=share,
-                                                           chunk_size=chunk_size),
+                                                           chunk_size=chunk_size, sinks=sinks, page_size=page_size,
+                                                           head_scores=head_scores),
     )
-    options.policy()  # validates --method, --budget, ... before any input is read
+    policy = options.policy()  # validates --method, --budget, ... before any input is read
+    for flag, value, name in (("--sinks", sinks, "sinks"), ("--page-size", page_size, "page_size"),
+                              ("--head-scores", head_scores, "head_scores")):
+        if value is not None and name not in policy.options():
+            raise UsageError(f"does not apply to method '{method}'", flag)
     batch = each or "-" in paths or jsonl or output is not None
     if as_json and jsonl:
         raise UsageError("--json and --jsonl exclude each other (--jsonl: one line per input)", "--json")
@@ -123,10 +151,11 @@ def ask(
     if resume and output is None:
         raise UsageError("--resume needs --output FILE (the file to resume)", "--resume")
 
-    if not batch:  # one input: errors are raised, the report is rendered
+    if not batch or context is not None:  # one input: errors are raised, the report is rendered
+        text = read_context(context) if context is not None else None
         runner = Runner(options, stage=_status(quiet))
         try:
-            result = runner.answer(Item(tuple(paths)), question)
+            result = runner.answer(Item(tuple(paths)), question, context=text)
         except UsageError as e:
             if len(paths) > 1 and "one video per prompt" in e.reason:
                 e.reason += "; add --each to ask the question about each file separately"
@@ -134,7 +163,7 @@ def ask(
         except KeyboardInterrupt:
             err.print("interrupted")
             return 130
-        if as_json:
+        if as_json or jsonl:
             print(json.dumps(result), flush=True)
         else:
             from hybridkv_cli.report import render
@@ -163,6 +192,7 @@ def profile(
     frames: int = FRAMES, fps: Optional[float] = FPS, max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per sweep run."),
     device: str = DEVICE, dtype: str = DTYPE, as_json: bool = JSON, quiet: bool = QUIET, debug: bool = DEBUG,
+    context: Optional[str] = CONTEXT,
 ):
     """Per-head sparsity and classes, the budget allocation, and a budget sweep with fidelity."""
     from hybridkv_cli.compression import make_policy
@@ -176,10 +206,10 @@ def profile(
         raise UsageError(f"not a comma-separated list of numbers: '{budgets}'", "--budgets") from None
     for b in (*sweep, budget):
         make_policy("hybridkv", budget=b)  # validates the range
-    media, question, loaded = _prepare(args, model, device, dtype, frames, fps, max_pixels, quiet)
+    media, text, question, loaded = _prepare(args, context, model, device, dtype, frames, fps, max_pixels, quiet)
     with (nullcontext() if quiet else err.status("profiling ...")) as status:
         result = run_profile(
-            loaded, media, question, budget=budget, budgets=sweep, max_new_tokens=max_new_tokens,
+            loaded, media, question, context=text, budget=budget, budgets=sweep, max_new_tokens=max_new_tokens,
             on_run=lambda label: status and status.update(f"profiling: {label} ..."),
             window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
         )
@@ -192,6 +222,65 @@ def profile(
         print(json.dumps(result), flush=True)
     else:
         render_profile(result, Console())
+
+
+BENCH_HELP = (
+    "Compare compression methods × budgets on MEDIA... QUESTION (one input) or on --tasks FILE.jsonl.\n\n"
+    "Every input runs once with the full cache (the reference) and once per method and budget, greedy, the same "
+    "--max-new-tokens for all. Per method and budget: accuracy (the expected answer occurs in the output), "
+    "fidelity (ROUGE-L F1 vs the full-cache output), device KV ratio, ms/token and host->device traffic per step. "
+    'Task rows: {"id"?, "question", "answer"?, "context"? | "media"?}: the answer a string or a list of them, '
+    "the media a path or a list of paths (relative to the file). See docs/bench.md.\n\n"
+    "Exit status: 0 every run completed; 1 a run failed (the others still ran); 2 bad command line or task file."
+)
+
+
+@app.command(help=BENCH_HELP)
+def bench(
+    args: Optional[list[str]] = typer.Argument(None, metavar="MEDIA... QUESTION",
+                                               help="One input: a video, image files or a directory, then the question."),
+    tasks: Optional[Path] = typer.Option(None, "--tasks", metavar="FILE.jsonl", help="Inputs, one JSON object a line."),
+    answer: Optional[list[str]] = typer.Option(None, metavar="TEXT",
+                                               help="Expected answer of MEDIA... QUESTION (repeat: any counts)."),
+    methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: every one but full, "
+                                          "which always runs)."),
+    budgets: str = typer.Option("0.05,0.1,0.2", help="Comma-separated budgets."),
+    model: str = MODEL, window: int = WINDOW, theta: float = THETA, sparsity_topk: float = TOPK,
+    share: float = SHARE, chunk_size: int = CHUNK, frames: int = FRAMES, fps: Optional[float] = FPS,
+    max_pixels: Optional[int] = MAX_PIXELS,
+    max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per run (greedy)."),
+    out: Optional[Path] = typer.Option(None, help="Directory for bench.csv, bench.json and bench.png."),
+    device: str = DEVICE, dtype: str = DTYPE,
+    as_json: bool = typer.Option(False, "--json", help="Print the JSON (config, aggregates, items), not the table."),
+    quiet: bool = QUIET, debug: bool = DEBUG,
+):
+    from hybridkv_cli.bench import Task, parse_budgets, parse_methods, read_tasks, run_bench
+    from hybridkv_cli.bench_report import render_bench, save
+    from hybridkv_cli.pipeline import AskOptions, Item, Runner, clean_question
+
+    _state["debug"] = debug
+    names, sweep = parse_methods(methods), parse_budgets(budgets)
+    if tasks is not None:
+        if args or answer:
+            raise UsageError("give either --tasks FILE or MEDIA... QUESTION [--answer A], not both", "--tasks")
+        inputs = read_tasks(tasks)
+    elif not args or len(args) < 2:
+        raise UsageError("give one or more media files (or a directory) followed by the question, or --tasks FILE",
+                         "arguments")
+    else:
+        inputs = [Task(Item(tuple(args[:-1])).key, clean_question(args[-1]), tuple(answer or ()),
+                       media=tuple(args[:-1]))]
+    loaded = Runner(AskOptions(model=model, device=device, dtype=dtype), stage=_status(quiet)).model()
+    result = run_bench(loaded, inputs, names, sweep, max_new_tokens=max_new_tokens, frames=frames, fps=fps,
+                       max_pixels=max_pixels, console=err, quiet=quiet, debug=debug, window=window, theta=theta,
+                       sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size)
+    if out is not None:
+        err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
+    if as_json:
+        print(json.dumps(result), flush=True)
+    else:
+        render_bench(result, Console())
+    return 1 if any(row["errors"] for row in result["aggregates"]) else 0
 
 
 @app.command()

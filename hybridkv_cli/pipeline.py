@@ -22,6 +22,7 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import unicodedata
@@ -85,6 +86,22 @@ class Item:
         same input (a path as given; an image set of several files: ``first + N more``)."""
         first = self.paths[0] if self.paths else "<no input>"
         return first if len(self.paths) <= 1 else f"{first} + {len(self.paths) - 1} more"
+
+
+def read_context(path: str, stdin: TextIO | None = None) -> str:
+    """The text of a ``--context`` file (``-``: all of ``stdin``), as UTF-8."""
+    if path == "-":
+        return (stdin or sys.stdin).read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MediaError("no such file", path) from None
+    except IsADirectoryError:
+        raise MediaError("is a directory, not a text file", path) from None
+    except UnicodeDecodeError as e:
+        raise MediaError(f"not UTF-8 text (byte {e.start})", path) from None
+    except OSError as e:
+        raise MediaError(f"cannot read ({e.strerror or e})", path) from None
 
 
 def read_paths(stream: TextIO) -> list[str]:
@@ -215,21 +232,30 @@ def prompt_length(processor, media, question: str) -> tuple[int, int]:
     return visual_token_count(processor, media), text
 
 
-def check_context(loaded, media, question: str, max_new_tokens: int, source: str | None = None) -> None:
+def check_context(loaded, media, question: str, max_new_tokens: int, source: str | None = None,
+                  context: str | None = None) -> None:
     """Raise :class:`ContextLengthError` when prompt + ``max_new_tokens`` exceed the text model's
-    ``max_position_embeddings`` (a :class:`UsageError` when the text alone does)."""
+    ``max_position_embeddings`` (a :class:`UsageError` when the question alone does). ``media``
+    None: a text prompt about ``context``."""
     limit = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
     if not limit:
         return
-    visual, text = prompt_length(loaded.processor, media, question)
+    if media is None:
+        from hybridkv_cli.prompt import build_text_prompt
+
+        prompt = build_text_prompt(loaded.tokenizer, context or "", question)  # tokenising only: cheap
+        bulk, text, role, fix = prompt.visual_tokens, prompt.text_tokens, "context", "shorten the context"
+    else:
+        bulk, text = prompt_length(loaded.processor, media, question)
+        role, fix = "visual", "use fewer --frames, a lower --max-pixels"
     if text + max_new_tokens > limit:
         raise UsageError(f"the question is too long: {text} text tokens + {max_new_tokens} new tokens exceed the "
                          f"model's context of {limit} tokens", "QUESTION")
-    if visual + text + max_new_tokens > limit:
+    if bulk + text + max_new_tokens > limit:
         raise ContextLengthError(
-            f"the prompt needs {visual + text} tokens ({visual} visual + {text} text) + {max_new_tokens} new, "
-            f"more than the model's context of {limit} tokens; use fewer --frames, a lower --max-pixels, "
-            f"or a lower --max-new-tokens", source or media.label)
+            f"the prompt needs {bulk + text} tokens ({bulk} {role} + {text} text) + {max_new_tokens} new, "
+            f"more than the model's context of {limit} tokens; {fix}, or a lower --max-new-tokens",
+            source or (media.label if media is not None else "--context"))
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -291,8 +317,9 @@ class Runner:
             self.loads += 1
         return self.loaded
 
-    def answer(self, item: Item, question: str) -> dict:
-        """The result record for ``item``; raises a :class:`HybridKVError` for a bad input."""
+    def answer(self, item: Item, question: str, context: str | None = None) -> dict:
+        """The result record for ``item`` (no paths: a text prompt about ``context``); raises a
+        :class:`HybridKVError` for a bad input."""
         if item.error is not None:
             raise item.error
         from hybridkv_cli.api import ask
@@ -300,13 +327,14 @@ class Runner:
 
         o = self.options
         policy = o.policy()
-        media = load_media(list(item.paths), frames=o.frames, fps=o.fps, max_pixels=o.max_pixels)
+        media = load_media(list(item.paths), frames=o.frames, fps=o.fps, max_pixels=o.max_pixels) if item.paths else None
         loaded = self.model()
-        check_context(loaded, media, question, o.max_new_tokens, source=item.key)
+        check_context(loaded, media, question, o.max_new_tokens, source=item.key if item.paths else "--context",
+                      context=context)
         failed = None
         with self.stage(f"answering ({policy.name}, budget {policy.budget:g}) ..."):
             try:
-                return ask(loaded, media, question, method=policy, max_new_tokens=o.max_new_tokens)
+                return ask(loaded, media, question, context=context, method=policy, max_new_tokens=o.max_new_tokens)
             except Exception as e:
                 if not _is_oom(e):
                     raise

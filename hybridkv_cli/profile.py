@@ -12,16 +12,18 @@ SWEEP_BUDGETS = (0.05, 0.1, 0.2, 0.4, 1.0)
 
 def profile(
     loaded: LoadedModel,
-    media: MediaInput,
+    media: MediaInput | None,
     question: str,
     *,
+    context: str | None = None,
     budget: float = 0.1,
     budgets: tuple[float, ...] = SWEEP_BUDGETS,
     max_new_tokens: int = 32,
     on_run=None,
     **options,
 ) -> dict:
-    """Classify the heads on ``media`` + ``question`` and sweep HybridKV over ``budgets``.
+    """Classify the heads on ``media`` (or the text ``context``) + ``question`` and sweep HybridKV
+    over ``budgets``.
 
     Every answer is compared with the full-cache answer (ROUGE-L F1 = fidelity). ``on_run``
     is called with a short label before each generation (for progress display).
@@ -29,7 +31,7 @@ def profile(
     def run(label: str, **kw) -> dict:
         if on_run:
             on_run(label)
-        return ask(loaded, media, question, max_new_tokens=max_new_tokens, **options, **kw)
+        return ask(loaded, media, question, context=context, max_new_tokens=max_new_tokens, **options, **kw)
 
     reference = run("full", method="full")
     sweep = []

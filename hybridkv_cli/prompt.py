@@ -1,4 +1,4 @@
-"""Turn media + a question into model inputs and token roles."""
+"""Turn media + a question, or a text context + a question, into model inputs and token roles."""
 
 from __future__ import annotations
 
@@ -92,6 +92,33 @@ def build_prompt(processor, media: MediaInput, question: str) -> Prompt:
     ids = inputs["input_ids"][0]
     pads = [tokenizer.convert_tokens_to_ids(t) for t in VISUAL_PAD_TOKENS]
     return Prompt(inputs=inputs, visual=torch.isin(ids, torch.tensor(pads)))
+
+
+def build_text_prompt(tokenizer, context: str, question: str) -> Prompt:
+    """A text prompt: ``context``, a blank line, then ``question``, in one user turn of the chat
+    template (no template: the bare text).
+
+    Roles: the context's tokens play the part visual tokens play in a media prompt (``visual``
+    True); the question and the template are text. Context and question are tokenised as plain
+    text (:func:`question_ids`) and placed where a marker sat in the rendered template, so neither
+    can open a chat turn.
+    """
+    question, context = question.strip(), context.strip()
+    if not question:
+        raise UsageError("the question is empty", "QUESTION")
+    marker = "\ue000"  # a private-use character: absent from any template
+    turn = [{"role": "user", "content": marker}]
+    rendered = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+                if tokenizer.chat_template else marker)
+    head, tail = rendered.split(marker)
+    template = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    before = template(head)
+    ctx = question_ids(tokenizer, context + "\n\n") if context else []
+    ids = before + ctx + question_ids(tokenizer, question) + template(tail)
+    visual = torch.zeros(len(ids), dtype=torch.bool)
+    visual[len(before):len(before) + len(ctx)] = True
+    input_ids = torch.tensor([ids])
+    return Prompt(inputs={"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}, visual=visual)
 
 
 def _splice(inputs: dict, standin_id: int, ids: list[int]) -> dict:

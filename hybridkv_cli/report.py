@@ -32,6 +32,12 @@ def human_bytes(n: int | None) -> str:
     return str(n)
 
 
+def prompt_tokens(inp: dict) -> str:
+    """'4480 visual + 37 text tokens' (media) or '1503 context + 30 text tokens' (text prompt)."""
+    role = "context" if inp["kind"] == "text" else "visual"
+    return f"{inp[role + '_tokens']} {role} + {inp['text_tokens']} text tokens"
+
+
 def render(result: dict, console: Console) -> None:
     """Print the answer, then a compact table of the measurements."""
     console.print(result["answer"], markup=False, highlight=False)
@@ -41,8 +47,9 @@ def render(result: dict, console: Console) -> None:
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("input", f"{inp['label']}  ({inp['frames_used']} {'frames' if inp['kind'] == 'video' else 'images'})")
-    table.add_row("prompt", f"{inp['visual_tokens']} visual + {inp['text_tokens']} text tokens")
+    if inp["kind"] != "text":
+        table.add_row("input", f"{inp['label']}  ({inp['frames_used']} {'frames' if inp['kind'] == 'video' else 'images'})")
+    table.add_row("prompt", prompt_tokens(inp))
     table.add_row("method", f"{result['method']}  budget {result['budget']:g}")
     table.add_row("prefill", f"{result['prefill_s']:.3f} s")
     if dec["ms_per_token_mean"] is not None:
@@ -79,7 +86,7 @@ def render_profile(result: dict, console: Console) -> None:
     if result.get("note"):
         console.print(f"[dim]({result['note']})[/dim]")
     inp = result["input"]
-    console.print(f"{inp['label']}: {inp['visual_tokens']} visual + {inp['text_tokens']} text tokens; "
+    console.print(f"{inp['label']}: {prompt_tokens(inp)}; "
                   f"θ={heads['theta']:g}, p={heads['p']:g}, r={heads['r']:g}, chunk={heads['chunk_size']}")
 
     classes = Table(title="sparsity score per KV head (S static, D dynamic)")

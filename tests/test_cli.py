@@ -112,6 +112,9 @@ def clip(tmp_path_factory):
     (["{clip}", "q", "--max-new-tokens", "0"], "error: Invalid value for '--max-new-tokens'"),
     (["{clip}", "q", "--nope"], "error: No such option: --nope"),
     (["{clip}", "q", "--frames", "0"], "error: frames must be positive"),
+    (["{clip}", "q", "--sinks", "2"], "error: --sinks: does not apply to method 'hybridkv'"),
+    (["{clip}", "q", "--method", "sparsemm", "--head-scores", "/nope.json"],
+     "error: /nope.json: head-score file not found"),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, reason, clip, capsys):
     code = cli.run(["ask", *[a.format(clip=clip) for a in argv], "--model", "demo"])
@@ -139,6 +142,13 @@ def test_debug_shows_the_traceback(tmp_path):
 
     with pytest.raises(MediaError):
         cli.run(["ask", str(tmp_path / "gone.mp4"), "What?", "--debug", *FAST])
+
+
+def test_method_flags_reach_the_method(clip, capsys):
+    for flags, key, value in ((["--method", "streamingllm", "--sinks", "2"], "sinks", 2),
+                              (["--method", "quest", "--page-size", "4"], "page_size", 4)):
+        assert cli.run(["ask", str(clip), "What?", "--json", "-q", *flags, *FAST]) == 0
+        assert json.loads(capsys.readouterr().out)["heads"][key] == value
 
 
 def test_human_report_on_stdout_nothing_else(clip, capsys):
@@ -190,3 +200,33 @@ def test_profile_still_runs(tmp_path, capsys):
     img = make_image(tmp_path / "a.png")
     assert cli.run(["profile", str(img), "What?", "--budgets", "0.5", "--json", "-q", *FAST]) == 0
     assert "sweep" in json.loads(capsys.readouterr().out)
+
+
+# --- text prompts (--context) -------------------------------------------------------------------------
+TEXT_SCHEMA = {**SCHEMA, "input": {"kind": str, "label": str, "files": list, "context_tokens": int, "text_tokens": int}}
+
+
+def test_context_file_is_a_text_prompt(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The red box is on shelf 3. The blue box is on shelf 5.\n" * 20, encoding="utf-8")
+    assert cli.run(["ask", "--context", str(notes), "Where is the blue box?", "--json", "-q", *FAST]) == 0
+    record = json.loads(capsys.readouterr().out)
+    check_schema(record, TEXT_SCHEMA)
+    assert record["input"]["kind"] == "text" and record["input"]["context_tokens"] > 200
+    assert cli.run(["ask", "--context", str(notes), "Where is the blue box?", *FAST]) == 0
+    assert "context + " in capsys.readouterr().out  # the human report names the roles
+
+
+@pytest.mark.parametrize("argv,code,reason", [
+    (["--context", "{clip}", "{clip}", "q"], 2, "error: arguments: with --context give only the question"),
+    (["--context", "{missing}", "q"], 1, "error: {missing}: no such file"),
+    (["--context", "{binary}", "q"], 1, "error: {binary}: not UTF-8 text (byte 0)"),
+    (["--context", "{dir}", "q"], 1, "error: {dir}: is a directory, not a text file"),
+    (["--context", "{clip}", "q", "--each"], 2, "error: --context: --context is one text input"),
+])
+def test_context_errors_are_one_line(argv, code, reason, clip, tmp_path, capsys):
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00 not text")
+    names = dict(clip=clip, missing=tmp_path / "gone.txt", binary=tmp_path / "binary.txt", dir=tmp_path)
+    assert cli.run(["ask", *[a.format(**names) for a in argv], *FAST]) == code
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(reason.format(**names)) and err.count("\n") == 1, err

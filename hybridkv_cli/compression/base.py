@@ -17,18 +17,21 @@ class PrefillLayer:
     ----------
     index : int
         Layer number.
+    num_layers : int
+        Layers of the model (a method carrying budget across layers knows which one is last).
     query : Tensor [H_kv, G, N, d]
         Post-RoPE prompt queries, grouped by the KV head they read (HF ``repeat_kv`` order).
     keys, values : Tensor [H_kv, N, d]
         The full prompt KV of the layer (post-RoPE keys).
     visual : BoolTensor [N]
-        Token roles: True for visual (image/video pad) tokens, False for text. For text-only
-        prompts "visual" marks the context and False the question.
+        Token roles: True for visual (image/video pad) tokens, False for text. For text
+        prompts True marks the context and False the question and chat template.
     scale : float
         Softmax scale of the attention.
     """
 
     index: int
+    num_layers: int
     query: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor

@@ -93,6 +93,7 @@ class PolicyCache(Cache):
         heads = key.shape[1]
         prefill = PrefillLayer(
             index=index,
+            num_layers=len(self.layers),
             query=query[0].unflatten(0, (heads, -1)),
             keys=key[0],
             values=value[0],
@@ -149,5 +150,10 @@ AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def use_policy_attention(model) -> None:
-    """Route the text model's attention through the policy cache; the vision tower keeps SDPA."""
-    model.set_attn_implementation({"text_config": ATTENTION_NAME, "vision_config": "sdpa"})
+    """Route the language model's attention through the policy cache. A multimodal model (one
+    with sub-configs: text, vision, ...) keeps SDPA everywhere but in its text model."""
+    subs = model.config.sub_configs
+    if subs:
+        model.set_attn_implementation({key: ATTENTION_NAME if key == "text_config" else "sdpa" for key in subs})
+    else:
+        model.set_attn_implementation(ATTENTION_NAME)

@@ -13,8 +13,8 @@ the authors' algorithm:
    scores of that modality.
 4. A modality that has fewer tokens than its share leaves the rest unused. Unused entries are
    carried to the next layer, up to what the next layer can still place (``N·H`` minus its own
-   budget); beyond that they go to the other modality of the same head, so at ``b = 1`` every
-   head keeps everything. What the last layer carries out stays unused (``unused_entries``).
+   budget; nothing after the last layer); beyond that they go to the other modality of the same
+   head, so at ``b = 1`` every head keeps everything and no budget is left unused.
 
 The total over layers never exceeds ``L·round(b·N·H)``; single layers may hold more than their
 own share (that is the compensation).
@@ -43,7 +43,8 @@ class ModalityPlan:
     carry_out: int
 
 
-def plan_modalities(text_share: torch.Tensor, visual: torch.Tensor, budget: int, carry_in: int) -> ModalityPlan:
+def plan_modalities(text_share: torch.Tensor, visual: torch.Tensor, budget: int, carry_in: int,
+                    last: bool = False) -> ModalityPlan:
     """Steps 2 and 4 of the module docstring for one layer.
 
     Parameters
@@ -55,6 +56,8 @@ def plan_modalities(text_share: torch.Tensor, visual: torch.Tensor, budget: int,
         The layer's own budget ``round(b·N·H)``.
     carry_in : int
         Entries carried from the previous layer (at most ``N·H - budget``).
+    last : bool
+        The model's last layer: nothing can be carried out.
     """
     heads, n = text_share.numel(), visual.numel()
     n_visual = int(visual.sum())
@@ -67,7 +70,7 @@ def plan_modalities(text_share: torch.Tensor, visual: torch.Tensor, budget: int,
     vis = (per_head - text_want).clamp(max=n_visual)
     spare = per_head - text - vis
     total_spare = int(spare.sum())
-    carry_out = min(total_spare, heads * n - budget)
+    carry_out = 0 if last else min(total_spare, heads * n - budget)
     # What the next layer could not place goes back to the heads that spared it, into their
     # other modality (a head's spare never exceeds the room left there, as per_head <= N).
     back = proportional_split(total_spare - carry_out, spare.double(), spare)
@@ -96,7 +99,7 @@ class MadaKV(Policy):
         visual = layer.visual
         text_share = attn[:, ~visual].sum(dim=1)
         budget = round(self.budget * layer.length * layer.num_heads)
-        plan = plan_modalities(text_share, visual, budget, carry)
+        plan = plan_modalities(text_share, visual, budget, carry, last=layer.index == layer.num_layers - 1)
         self.plans[layer.index] = plan
         keep = snap_keep(pooled, window, plan.text, allowed=~visual)
         keep |= snap_keep(pooled, window, plan.visual, allowed=visual)
@@ -112,5 +115,4 @@ class MadaKV(Policy):
                 "visual_entries": [p.visual.tolist() for p in plans],
                 "carry_in": [p.carry_in for p in plans],
             },
-            "unused_entries": plans[-1].carry_out if plans else 0,
         }

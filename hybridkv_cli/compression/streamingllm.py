@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class StreamingLLM(Policy):
 
     budget: float = 0.1
     sinks: int = 4
+    kept: tuple[int, int] = field(default=(0, 0), repr=False)  # (sinks, recent) per head, last layer
 
     def compress(self, layer: PrefillLayer) -> RaggedStore:
         n = layer.length
@@ -38,4 +39,8 @@ class StreamingLLM(Policy):
         keep[:, :sinks] = True
         if recent:
             keep[:, n - recent:] = True
+        self.kept = (sinks, recent)
         return RaggedStore.build(layer.keys, layer.values, keep)
+
+    def summary(self) -> dict:
+        return {"sinks": self.sinks, "entries_per_head": {"sinks": self.kept[0], "recent": self.kept[1]}}

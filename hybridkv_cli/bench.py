@@ -1,0 +1,268 @@
+"""``hybridkv bench``: compression methods × budgets over a set of inputs, scored against the full cache.
+
+Every input (media + question, or a text prompt: context + question) is answered once with the
+full cache — the fidelity reference — and then once per method and budget, all greedy with the
+same ``max_new_tokens``; the input's media is loaded once for all its runs. Per (method, budget)
+the runs are aggregated (:func:`aggregate`) into
+
+* accuracy: the share of runs whose output contains the expected answer (after
+  :func:`normalise`; any of several answers counts), over the inputs that have one;
+* fidelity: mean ROUGE-L F1 of the output against the full-cache output of the same input;
+* mean device KV ratio vs the full cache, mean ms per decoded token, mean host->device bytes
+  per decode step (retrieval methods only).
+
+Rendering (table, CSV, JSON, PNG) lives in :mod:`hybridkv_cli.bench_report`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from hybridkv_cli.errors import HybridKVError, UsageError
+
+REFERENCE = "full"  # the method every input runs once, at budget 1.0
+
+
+@dataclass(frozen=True)
+class Task:
+    """One input: ``media`` paths (one video or one image set) or a text ``context``, the
+    ``question``, and the accepted ``answers`` (empty: fidelity only)."""
+
+    id: str
+    question: str
+    answers: tuple[str, ...] = ()
+    context: str | None = None
+    media: tuple[str, ...] = ()
+
+
+# --- the command line's lists ---------------------------------------------------------------------
+def parse_methods(text: str | None) -> list[str]:
+    """Comma-separated method names, in order, without duplicates and without ``full`` (always
+    run); None: every registered method except ``full``, HybridKV first."""
+    from hybridkv_cli.compression import METHODS
+
+    if text is None:
+        return sorted((m for m in METHODS if m != REFERENCE), key=lambda m: (m != "hybridkv", m))
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names:
+        raise UsageError("give at least one method", "--methods")
+    for name in names:
+        if name not in METHODS:
+            raise UsageError(f"unknown method '{name}' (available: {', '.join(sorted(METHODS))})", "--methods")
+    return [n for n in names if n != REFERENCE]
+
+
+def parse_budgets(text: str) -> list[float]:
+    """Comma-separated budgets in (0, 1], sorted, without duplicates."""
+    try:
+        budgets = sorted({float(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise UsageError(f"not a comma-separated list of numbers: '{text}'", "--budgets") from None
+    if not budgets:
+        raise UsageError("give at least one budget", "--budgets")
+    for b in budgets:
+        if not 0 < b <= 1:
+            raise UsageError(f"budget must be in (0, 1], got {b:g}", "--budgets")
+    return budgets
+
+
+# --- tasks ----------------------------------------------------------------------------------------
+def _strings(value, key: str, where: str) -> tuple[str, ...]:
+    """A string or a non-empty list of non-empty strings."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not values or not all(isinstance(v, str) and v.strip() for v in values):
+        raise UsageError(f"'{key}' must be a non-empty string or a list of them", where)
+    return tuple(values)
+
+
+def read_tasks(path: str | Path) -> list[Task]:
+    """Read a JSONL task file: one object per line (blank lines skipped) with ``question``,
+    optional ``id`` (default ``FILE:LINE``), ``answer`` (string or list), ``context`` (text),
+    ``media`` (path or list of paths, relative to the file's directory); exactly one of
+    ``context`` and ``media``; other keys are ignored. A bad row is a :class:`UsageError`
+    naming ``FILE:LINE``."""
+    from hybridkv_cli.pipeline import clean_question
+
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read the task file: {getattr(e, 'strerror', None) or e}", str(path)) from None
+    tasks: list[Task] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise UsageError(f"not valid JSON ({e})", where) from None
+        if not isinstance(row, dict):
+            raise UsageError("a task must be a JSON object", where)
+        if not isinstance(row.get("question"), str):
+            raise UsageError("'question' (a string) is missing", where)
+        try:
+            question = clean_question(row["question"])
+        except UsageError as e:
+            raise UsageError(e.reason, where) from None
+        context = row.get("context")
+        if context is not None and not isinstance(context, str):
+            raise UsageError("'context' must be a string", where)
+        if (context is None) == (row.get("media") is None):
+            raise UsageError("a task needs 'context' (a text prompt) or 'media'" if context is None else
+                             "a task has 'context' (a text prompt) or 'media', not both", where)
+        media = () if row.get("media") is None else _strings(row["media"], "media", where)
+        answers = () if row.get("answer") is None else _strings(row["answer"], "answer", where)
+        task_id = row.get("id", f"{path.name}:{number}")
+        if not isinstance(task_id, str) or task_id in {t.id for t in tasks}:
+            raise UsageError(f"'id' must be a unique string, got {task_id!r}", where)
+        tasks.append(Task(task_id, question, answers, context, tuple(str(path.parent / m) for m in media)))
+    if not tasks:
+        raise UsageError("no tasks in the file", str(path))
+    return tasks
+
+
+# --- scoring --------------------------------------------------------------------------------------
+_ENDS = re.compile(r"^[\W_]+|[\W_]+$")
+
+
+def normalise(text: str) -> str:
+    """Lowercase, whitespace collapsed, punctuation (any non-word character) stripped at the ends."""
+    return _ENDS.sub("", " ".join(text.lower().split()))
+
+
+def is_correct(output: str, answers: tuple[str, ...] | list[str]) -> bool | None:
+    """Whether any normalised answer occurs in the normalised output (None without answers)."""
+    if not answers:
+        return None
+    out = normalise(output)
+    return any(normalise(a) in out for a in answers)
+
+
+# aggregate column -> item key averaged into it
+_MEANS = {"accuracy": "correct", "fidelity": "fidelity", "kv_ratio": "kv_ratio", "ms_per_token": "ms_per_token",
+          "h2d_bytes_per_step": "h2d_bytes_per_step"}
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+# --- running --------------------------------------------------------------------------------------
+class _Unit(NamedTuple):  # one run, as the progress display names it
+    key: str
+
+
+def plan_runs(methods: list[str], budgets: list[float]) -> list[tuple[str, float]]:
+    """The (method, budget) runs of every input: the full-cache reference first."""
+    return [(REFERENCE, 1.0)] + [(m, b) for m in methods for b in budgets]
+
+
+def _record(task: Task, method: str, budget: float, result: dict | None = None, reference: str | None = None,
+            error: dict | None = None) -> dict:
+    """One run of one input, as ``items`` of the JSON output."""
+    record = {"id": task.id, "method": method, "budget": budget, "answer": None, "expected": list(task.answers) or None,
+              "correct": None, "fidelity": None, "kv_ratio": None, "ms_per_token": None,
+              "h2d_bytes_per_step": None, "tokens": None, "error": error}
+    if result is not None:
+        from hybridkv_cli.fidelity import rouge_l
+
+        traffic = result["traffic"]
+        record.update(
+            answer=result["answer"], correct=is_correct(result["answer"], task.answers),
+            fidelity=None if reference is None else rouge_l(result["answer"], reference),
+            kv_ratio=result["kv"]["ratio_vs_full"], ms_per_token=result["decode"]["ms_per_token_mean"],
+            h2d_bytes_per_step=traffic["h2d_bytes_per_step_mean"] if traffic else None,
+            tokens={k: v for k, v in result["input"].items() if k.endswith("_tokens")})
+    return record
+
+
+def run_bench(loaded, tasks: list[Task], methods: list[str], budgets: list[float], *, max_new_tokens: int = 32,
+              frames: int = 64, fps: float | None = None, max_pixels: int | None = None, console=None,
+              quiet: bool = False, debug: bool = False, **options) -> dict:
+    """Run every task through :func:`plan_runs` and aggregate; returns ``{"config", "aggregates",
+    "items"}``. ``options`` (window, theta, ...) go to every method that takes them. A run that
+    fails (its input's media, the device memory, ...) becomes an item with ``error`` set and the
+    others go on; ``debug`` re-raises unexpected exceptions. Progress and errors are shown on
+    ``console`` (stderr) unless ``quiet``."""
+    from rich.markup import escape
+
+    from hybridkv_cli.api import ask
+    from hybridkv_cli.media import load_media
+    from hybridkv_cli.pipeline import Progress, check_context, error_record
+    from hybridkv_cli.report import DEMO_NOTE
+
+    with_media = next((t for t in tasks if t.media), None)
+    if with_media is not None and not loaded.multimodal:
+        raise UsageError(f"{loaded.name} is a text model: it takes text prompts (a 'context'), not media", with_media.id)
+    runs = plan_runs(methods, budgets)
+    items: list[dict] = []
+    progress = Progress(console, len(tasks) * len(runs), quiet=quiet or console is None)
+    warm = False
+
+    def failed(key: str, e: Exception) -> dict:
+        if debug and not isinstance(e, HybridKVError):
+            raise e
+        error = error_record(key, e)["error"]
+        if console is not None:
+            console.print(f"[red]error:[/red] {escape(key)}: {escape(error['message'])}", highlight=False,
+                          soft_wrap=True)
+        return error
+
+    with progress:
+        for task in tasks:
+            try:
+                media = (load_media(list(task.media), frames=frames, fps=fps, max_pixels=max_pixels)
+                         if task.media else None)
+                check_context(loaded, media, task.question, max_new_tokens, source=task.id, context=task.context)
+            except Exception as e:
+                error = failed(task.id, e)
+                for method, budget in runs:
+                    items.append(_record(task, method, budget, error=error))
+                    progress.finish(_Unit(f"{task.id} {method} b={budget:g}"), False, 0.0)
+                continue
+            if not warm:  # the first generation pays one-time costs: keep them out of every ms/token
+                warm = True
+                with suppress(Exception):  # a failure shows in the real run
+                    ask(loaded, media, task.question, context=task.context, method=REFERENCE, max_new_tokens=2)
+            reference = None
+            for method, budget in runs:
+                unit = _Unit(f"{task.id} {method} b={budget:g}")
+                progress.begin(unit)
+                started = time.perf_counter()
+                try:
+                    result = ask(loaded, media, task.question, context=task.context, method=method, budget=budget,
+                                 max_new_tokens=max_new_tokens, **options)
+                except Exception as e:
+                    items.append(_record(task, method, budget, error=failed(unit.key, e)))
+                    progress.finish(unit, False, time.perf_counter() - started)
+                    continue
+                if method == REFERENCE:
+                    reference = result["answer"]
+                items.append(_record(task, method, budget, result, reference))
+                progress.finish(unit, True, time.perf_counter() - started)
+    config = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+              "methods": methods, "budgets": budgets, "max_new_tokens": max_new_tokens, "options": options,
+              "frames": frames, "fps": fps, "max_pixels": max_pixels, "inputs": len(tasks),
+              "note": DEMO_NOTE if loaded.is_demo else None}
+    return {"config": config, "aggregates": aggregate(items, runs), "items": items}
+
+
+def aggregate(items: list[dict], runs: list[tuple[str, float]]) -> list[dict]:
+    """One row per (method, budget) of ``runs``: n, errors and the means over the runs that
+    completed (accuracy over those with an expected answer; None where nothing to average)."""
+    rows = []
+    for method, budget in runs:
+        group = [r for r in items if r["method"] == method and r["budget"] == budget]
+        done = [r for r in group if r["error"] is None]
+        rows.append({"method": method, "budget": budget, "n": len(group), "errors": len(group) - len(done),
+                     **{column: _mean(r[key] for r in done) for column, key in _MEANS.items()}})
+    return rows
