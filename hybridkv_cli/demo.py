@@ -1,8 +1,13 @@
 """The offline demo: its processor (a BPE tokenizer trained at build time, the real Qwen2-VL image
-and video processors, the Qwen2.5-VL chat template) and its tiny Qwen2.5-VL model.
+and video processors, the Qwen2.5-VL chat template) and its two tiny Qwen2.5-VL models.
 
-``build_demo()`` gives the deterministic random model with shaped attention heads (fast; used by
-the tests); see :func:`build_demo` for what the weights look like.
+* :func:`build_trained_demo`: the trained-demo config (:data:`TRAINED_TEXT`, :data:`TRAINED_VISION`)
+  with weights trained from scratch by ``scripts/train_demo.py`` on the synthetic video / image-set
+  questions of :mod:`hybridkv_cli.synthetic`, read from ``weights/demo.safetensors`` in this
+  package (see docs/demo_model.md). ``--model demo`` loads it when that file is present.
+* :func:`build_demo`: the deterministic random model with shaped attention heads (no files; used
+  by the tests; ``--model demo-random``, and ``--model demo`` while no trained weights are
+  shipped); see :func:`build_demo` for what the weights look like. Its answers are noise.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ import copy
 import json
 import functools
 import itertools
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .errors import ModelError
 from .models import DEMO_NAME, LoadedModel, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:  # pragma: no cover - imports for annotations only
@@ -303,13 +310,33 @@ DEMO_VISION = dict(
 )
 
 
-def demo_config(tokenizer) -> "Any":
-    """The tiny ``Qwen2_5_VLConfig`` whose token ids match ``tokenizer``."""
+# The trained demo (``--model demo``): same processor and model class, its own config, weights
+# trained by scripts/train_demo.py on hybridkv_cli.synthetic tasks (docs/demo_model.md). The text
+# model keeps the random demo's geometry (GQA 4 query / 2 KV heads, head dim 32, mRoPE sections
+# summing to 16) with a wider MLP; the vision tower has three blocks (two windowed, one full).
+TRAINED_TEXT = dict(
+    DEMO_TEXT,
+    intermediate_size=384,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [4, 6, 6]},
+    initializer_range=0.02,
+)
+TRAINED_VISION = dict(
+    DEMO_VISION,
+    depth=3,
+    intermediate_size=192,
+    fullatt_block_indexes=[2],
+    initializer_range=0.02,
+)
+TRAINED_WEIGHTS = "weights/demo.safetensors"  # relative to this package
+
+
+def demo_config(tokenizer, *, trained: bool = False) -> "Any":
+    """The tiny ``Qwen2_5_VLConfig`` whose token ids match ``tokenizer`` (random or trained demo)."""
     from transformers import Qwen2_5_VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (ENDOFTEXT, *DEMO_SPECIAL_TOKENS)}
     text = dict(
-        copy.deepcopy(DEMO_TEXT),
+        copy.deepcopy(TRAINED_TEXT if trained else DEMO_TEXT),
         vocab_size=len(tokenizer),
         bos_token_id=ids[ENDOFTEXT],
         eos_token_id=ids["<|im_end|>"],
@@ -317,7 +344,7 @@ def demo_config(tokenizer) -> "Any":
     )
     return Qwen2_5_VLConfig(
         text_config=text,
-        vision_config=copy.deepcopy(DEMO_VISION),
+        vision_config=copy.deepcopy(TRAINED_VISION if trained else DEMO_VISION),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -390,7 +417,7 @@ def build_demo(
     The global torch RNG state is left untouched. ``device`` / ``dtype`` accept the same strings
     as :func:`resolve_device` / :func:`resolve_dtype` (or torch objects).
     """
-    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     dev = resolve_device(device) if isinstance(device, str) else torch.device(device)
     dt = resolve_dtype(dtype, dev)
@@ -402,18 +429,63 @@ def build_demo(
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config)
         _shape_demo_weights(model, tok)
-    model.generation_config = GenerationConfig(
+    model.generation_config = _generation_config(config, tok)
+    model.to(device=dev, dtype=dt).eval()
+    return LoadedModel(model=model, processor=processor, name=DEMO_NAME, device=dev, dtype=dt, is_demo=True)
+
+
+def _generation_config(config, tok):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
         bos_token_id=config.text_config.bos_token_id,
         eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids(ENDOFTEXT)],
         pad_token_id=config.text_config.pad_token_id,
         do_sample=False,
     )
+
+
+def build_trained_demo(
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    weights: str | Path | None = None,
+) -> LoadedModel:
+    """The trained demo: :data:`TRAINED_TEXT` / :data:`TRAINED_VISION` + the shipped weights.
+
+    ``is_demo`` is False: its answers are real (the "answers are noise" note is for
+    ``demo-random``). The global torch RNG state is left untouched.
+    """
+    from safetensors.torch import load_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    path = Path(weights) if weights is not None else trained_weights_path()
+    if not path.is_file():
+        raise ModelError(f"trained demo weights missing ({path}); run scripts/train_demo.py, "
+                         "or use --model demo-random", source=DEMO_NAME)
+    dev = resolve_device(device) if isinstance(device, str) else torch.device(device)
+    dt = resolve_dtype(dtype, dev)
+    processor = build_demo_processor()
+    tok = processor.tokenizer
+    config = demo_config(tok, trained=True)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):  # the random init is overwritten; keep the caller's RNG
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    model.load_state_dict(load_file(str(path)), strict=True)  # fp16 on disk, cast into fp32 params
+    model.generation_config = _generation_config(config, tok)
     model.to(device=dev, dtype=dt).eval()
-    return LoadedModel(model=model, processor=processor, name=DEMO_NAME, device=dev, dtype=dt, is_demo=True)
+    return LoadedModel(model=model, processor=processor, name=DEMO_NAME, device=dev, dtype=dt, is_demo=False)
+
+
+def trained_weights_path() -> Path:
+    return Path(__file__).resolve().parent / TRAINED_WEIGHTS
 
 
 def load_demo(name: str, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """``demo`` or ``demo-random`` (see :data:`hybridkv_cli.models.DEMO_NAMES`)."""
+    """``demo``: the trained demo when its weights ship with the package, else the random one;
+    ``demo-random``: the random one (see :data:`hybridkv_cli.models.DEMO_NAMES`)."""
+    if name == DEMO_NAME and trained_weights_path().is_file():
+        return build_trained_demo(device=device, dtype=dtype)
     loaded = build_demo(device=device, dtype=dtype)
     loaded.name = name
     return loaded

@@ -3,11 +3,14 @@
 ``load_model(name)`` returns a :class:`LoadedModel`: the model in eval mode on its device and dtype,
 its processor, and where they came from. ``name`` is one of
 
-* ``"demo"``: a tiny randomly initialised Qwen2.5-VL (the real transformers class, 4 text layers,
-  GQA 4 query / 2 KV heads, a 2-block vision tower) with an offline processor (a byte-level BPE
-  tokenizer trained at build time on a small embedded corpus, the real Qwen2-VL image and video
-  processors, a Qwen2.5-VL chat template). Deterministic, built in well under two seconds, no
-  network, no files. Its answers are noise.
+* ``"demo"``: a tiny Qwen2.5-VL (the real transformers class, 4 text layers, GQA 4 query / 2 KV
+  heads) with an offline processor (a byte-level BPE tokenizer trained at build time on a small
+  embedded corpus, the real Qwen2-VL image and video processors, a Qwen2.5-VL chat template). When
+  ``hybridkv_cli/weights/demo.safetensors`` ships with the package it is the model trained on CPU
+  by ``scripts/train_demo.py`` on synthetic video / image-set questions (docs/demo_model.md);
+  otherwise it is ``"demo-random"``.
+* ``"demo-random"``: the same processor with deterministic random weights and a 2-block vision
+  tower, built in process, no files, well under two seconds. Its answers are noise.
 * a local directory holding a Qwen2.5-VL checkpoint (``config.json`` + weights + processor files);
 * a Hugging Face hub id (downloaded into / read from the local hub cache).
 

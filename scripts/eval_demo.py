@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Full-cache accuracy of a model on a task manifest (``scripts/make_video_tasks.py`` output).
+
+    python scripts/eval_demo.py TASKS [--model demo | --weights FILE] [--method full] [--limit N] [--json out.json]
+
+TASKS is a ``tasks.jsonl`` file or the folder holding it. Every row goes the way a user's question
+goes: ``load_media`` decodes the files (64 frames of the mp4, or the PNG image set) and
+``hybridkv_cli.api.ask`` answers greedily. An answer is right when it equals the expected one after
+normalisation (case, surrounding spaces and a final full stop). Prints overall, needle and per-kind
+accuracy; exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hybridkv_cli.api import ask  # noqa: E402
+from hybridkv_cli.media import load_media  # noqa: E402
+from hybridkv_cli.models import load_model  # noqa: E402
+
+
+def normalise(answer: str) -> str:
+    return answer.strip().rstrip(".").strip().lower()
+
+
+def read_manifest(path: Path) -> tuple[Path, list[dict]]:
+    manifest = path / "tasks.jsonl" if path.is_dir() else path
+    rows = [json.loads(line) for line in manifest.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return manifest.parent, rows
+
+
+def evaluate(loaded, root: Path, rows: list[dict], method: str = "full", progress: bool = True) -> dict:
+    """Ask every row; return {"overall", "needle", "kinds": {kind: acc}, "n", "rows": [...]}."""
+    results = []
+    for i, row in enumerate(rows):
+        media = row["media"]
+        paths = [str(root / m) for m in media] if isinstance(media, list) else str(root / media)
+        out = ask(loaded, load_media(paths), row["question"], method=method, max_new_tokens=8)
+        ok = normalise(out["answer"]) == normalise(row["answer"])
+        results.append({"id": row["id"], "kind": row["kind"], "needle": row["needle"], "expected": row["answer"],
+                        "answer": out["answer"], "correct": ok})
+        if progress and (i + 1) % 25 == 0:
+            print(f"  {i + 1}/{len(rows)}  running accuracy {sum(r['correct'] for r in results) / len(results):.3f}",
+                  file=sys.stderr, flush=True)
+    by_kind = defaultdict(list)
+    for r in results:
+        by_kind[r["kind"]].append(r["correct"])
+    needles = [r["correct"] for r in results if r["needle"]]
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else None
+
+    return {"n": len(results), "overall": mean([r["correct"] for r in results]), "needle": mean(needles),
+            "n_needle": len(needles), "kinds": {k: mean(v) for k, v in sorted(by_kind.items())},
+            "kind_counts": {k: len(v) for k, v in sorted(by_kind.items())}, "rows": results}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("tasks", type=Path)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--method", default="full")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N rows")
+    ap.add_argument("--weights", type=Path, default=None,
+                    help="evaluate these trained-demo weights (a train_demo.py --out file) instead of --model")
+    ap.add_argument("--json", type=Path, default=None, help="write the summary and every row here")
+    args = ap.parse_args(argv)
+
+    root, rows = read_manifest(args.tasks)
+    rows = rows[: args.limit]
+    start = time.perf_counter()
+    if args.weights:
+        from hybridkv_cli.demo import build_trained_demo
+
+        loaded = build_trained_demo(weights=args.weights)
+    else:
+        loaded = load_model(args.model, device="cpu", dtype="float32")
+    summary = evaluate(loaded, root, rows, method=args.method)
+    summary["seconds"] = time.perf_counter() - start
+    def acc(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    print(f"{args.model} / {args.method}: overall {acc(summary['overall'])} ({summary['n']} items), "
+          f"needle {acc(summary['needle'])} ({summary['n_needle']} items), {summary['seconds']:.0f} s")
+    for kind, value in summary["kinds"].items():
+        print(f"  {kind:14s} {acc(value)}  ({summary['kind_counts'][kind]})")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
