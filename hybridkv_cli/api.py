@@ -18,9 +18,7 @@ def make_prompt(loaded: LoadedModel, media: MediaInput | None, question: str, co
         return build_text_prompt(loaded.tokenizer, context or "", question)
     if context is not None:
         raise UsageError("give media or a text context, not both", "--context")
-    if not loaded.multimodal:
-        raise UsageError(f"{loaded.name} is a text model: it takes a text context (--context FILE), not media",
-                         media.label)
+    loaded.refuse_media(media.label)
     return build_prompt(loaded.processor, media, question)
 
 

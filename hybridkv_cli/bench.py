@@ -201,8 +201,8 @@ def run_bench(loaded, tasks: list[Task], methods: list[str], budgets: list[float
     from hybridkv_cli.report import DEMO_NOTE
 
     with_media = next((t for t in tasks if t.media), None)
-    if with_media is not None and not loaded.multimodal:
-        raise UsageError(f"{loaded.name} is a text model: it takes text prompts (a 'context'), not media", with_media.id)
+    if with_media is not None:
+        loaded.refuse_media(with_media.id)
     runs = plan_runs(methods, budgets)
     items: list[dict] = []
     progress = Progress(console, len(tasks) * len(runs), quiet=quiet or console is None)

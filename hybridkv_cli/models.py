@@ -130,6 +130,12 @@ class LoadedModel:
         """Whether the model takes images and videos (else: text prompts only)."""
         return hasattr(self.processor, "image_processor")
 
+    def refuse_media(self, source: str | None) -> None:
+        """Raise a :class:`UsageError` naming ``source`` when this model takes text only."""
+        if not self.multimodal:
+            raise UsageError(f"{self.name} is a text model: it takes a text context (--context FILE or a task's "
+                             "'context'), not media", source)
+
     @property
     def text_config(self):
         """The text (language model) config: layers, heads, hidden size."""
@@ -257,7 +263,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
         return _from_pretrained(str(path), name, dev, dt, local_files_only=True)
 
     if _looks_like_path(name):
-        raise ModelError("no such directory", source=name)
+        raise ModelError("no such file or directory", source=name)
     _validate_hub_id(name)
     return _load_hub(name, dev, dt)
 

@@ -237,6 +237,8 @@ def check_context(loaded, media, question: str, max_new_tokens: int, source: str
     """Raise :class:`ContextLengthError` when prompt + ``max_new_tokens`` exceed the text model's
     ``max_position_embeddings`` (a :class:`UsageError` when the question alone does). ``media``
     None: a text prompt about ``context``."""
+    if media is not None:
+        loaded.refuse_media(source or media.label)
     limit = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None)
     if not limit:
         return

@@ -206,6 +206,18 @@ def test_profile_still_runs(tmp_path, capsys):
 TEXT_SCHEMA = {**SCHEMA, "input": {"kind": str, "label": str, "files": list, "context_tokens": int, "text_tokens": int}}
 
 
+def test_media_on_a_text_model_is_a_usage_error(clip, capsys, monkeypatch):
+    from hybridkv_cli.models import LoadedModel
+
+    text_only = LoadedModel(model=None, processor=object(), name="tiny-llama", device=torch.device("cpu"),
+                            dtype=torch.float32, is_demo=False)
+    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: text_only)
+    assert cli.run(["ask", str(clip), "What?", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {clip}: tiny-llama is a text model: it takes a text context (--context FILE or a " \
+                  "task's 'context'), not media\n"
+
+
 def test_context_file_is_a_text_prompt(tmp_path, capsys):
     notes = tmp_path / "notes.txt"
     notes.write_text("The red box is on shelf 3. The blue box is on shelf 5.\n" * 20, encoding="utf-8")

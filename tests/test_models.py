@@ -282,7 +282,7 @@ def test_load_directory_without_config(tmp_path):
 
 def test_load_path_errors(tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(ModelError, match="no such directory"):
+    with pytest.raises(ModelError, match="no such file or directory"):
         M.load_model(str(missing), device="cpu")
     a_file = tmp_path / "model.bin"
     a_file.write_bytes(b"x")
