@@ -242,3 +242,13 @@ def test_context_errors_are_one_line(argv, code, reason, clip, tmp_path, capsys)
     assert cli.run(["ask", *[a.format(**names) for a in argv], *FAST]) == code
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(reason.format(**names)) and err.count("\n") == 1, err
+
+
+def test_context_longer_than_the_model_is_one_line(demo, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(demo.model.config.get_text_config(), "max_position_embeddings", 64)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The red box is on shelf 3. " * 20, encoding="utf-8")
+    assert cli.run(["ask", "--context", str(notes), "Where is the red box?", *FAST]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("error: --context: the prompt needs ") and "context + " in err and "shorten the context" in err
