@@ -81,17 +81,20 @@ def _status(quiet: bool):
     return (lambda message: nullcontext()) if quiet else (lambda message: err.status(escape(message)))
 
 
-def _split_args(args: list[str], context: str | None) -> tuple[list[str], str]:
-    """(media paths, question) from MEDIA... QUESTION; with --context only the question."""
+def _split_args(args: list[str] | None, context: str | None,
+                alternative: str = "(or --context FILE and the question)") -> tuple[list[str], str]:
+    """(media paths, question) from MEDIA... QUESTION; with --context only the question.
+    ``alternative`` names the other way to give an input, in the error."""
     from hybridkv_cli.pipeline import clean_question
 
+    args = args or []
     if context is not None:
         if len(args) != 1:
             raise UsageError("with --context give only the question (the context replaces the media)", "arguments")
         return [], clean_question(args[0])
     if len(args) < 2:
-        raise UsageError("give one or more media files (or a directory) followed by the question "
-                         "(or --context FILE and the question)", "arguments")
+        raise UsageError(f"give one or more media files (or a directory) followed by the question {alternative}",
+                         "arguments")
     return list(args[:-1]), clean_question(args[-1])
 
 
@@ -256,7 +259,7 @@ def bench(
 ):
     from hybridkv_cli.bench import Task, parse_budgets, parse_methods, read_tasks, run_bench
     from hybridkv_cli.bench_report import render_bench, save
-    from hybridkv_cli.pipeline import AskOptions, Item, Runner, clean_question
+    from hybridkv_cli.pipeline import AskOptions, Item, Runner
 
     _state["debug"] = debug
     names, sweep = parse_methods(methods), parse_budgets(budgets)
@@ -264,12 +267,9 @@ def bench(
         if args or answer:
             raise UsageError("give either --tasks FILE or MEDIA... QUESTION [--answer A], not both", "--tasks")
         inputs = read_tasks(tasks)
-    elif not args or len(args) < 2:
-        raise UsageError("give one or more media files (or a directory) followed by the question, or --tasks FILE",
-                         "arguments")
     else:
-        inputs = [Task(Item(tuple(args[:-1])).key, clean_question(args[-1]), tuple(answer or ()),
-                       media=tuple(args[:-1]))]
+        paths, question = _split_args(args, None, alternative="(or --tasks FILE)")
+        inputs = [Task(Item(tuple(paths)).key, question, tuple(answer or ()), media=tuple(paths))]
     loaded = Runner(AskOptions(model=model, device=device, dtype=dtype), stage=_status(quiet)).model()
     result = run_bench(loaded, inputs, names, sweep, max_new_tokens=max_new_tokens, frames=frames, fps=fps,
                        max_pixels=max_pixels, console=err, quiet=quiet, debug=debug, window=window, theta=theta,

@@ -417,21 +417,29 @@ def build_demo(
     The global torch RNG state is left untouched. ``device`` / ``dtype`` accept the same strings
     as :func:`resolve_device` / :func:`resolve_dtype` (or torch objects).
     """
+    return _assemble(False, device, dtype, seed, _shape_demo_weights)
+
+
+def _assemble(trained: bool, device, dtype, seed: int, set_weights) -> LoadedModel:
+    """A demo model (random or trained config) with the demo processor on ``device`` in ``dtype``;
+    ``set_weights(model, tokenizer)`` runs right after the seeded init, which leaves the caller's
+    RNG untouched."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     dev = resolve_device(device) if isinstance(device, str) else torch.device(device)
     dt = resolve_dtype(dtype, dev)
     processor = build_demo_processor()
     tok = processor.tokenizer
-    config = demo_config(tok)
+    config = demo_config(tok, trained=trained)
     config._attn_implementation = "sdpa"  # propagates to the text and vision sub-configs
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config)
-        _shape_demo_weights(model, tok)
+        set_weights(model, tok)
     model.generation_config = _generation_config(config, tok)
     model.to(device=dev, dtype=dt).eval()
-    return LoadedModel(model=model, processor=processor, name=DEMO_NAME, device=dev, dtype=dt, is_demo=True)
+    # The trained demo's answers are real; the "answers are noise" note is for the random one.
+    return LoadedModel(model=model, processor=processor, name=DEMO_NAME, device=dev, dtype=dt, is_demo=not trained)
 
 
 def _generation_config(config, tok):
@@ -457,24 +465,14 @@ def build_trained_demo(
     ``demo-random``). The global torch RNG state is left untouched.
     """
     from safetensors.torch import load_file
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     path = Path(weights) if weights is not None else trained_weights_path()
     if not path.is_file():
         raise ModelError(f"trained demo weights missing ({path}); run scripts/train_demo.py, "
                          "or use --model demo-random", source=DEMO_NAME)
-    dev = resolve_device(device) if isinstance(device, str) else torch.device(device)
-    dt = resolve_dtype(dtype, dev)
-    processor = build_demo_processor()
-    tok = processor.tokenizer
-    config = demo_config(tok, trained=True)
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):  # the random init is overwritten; keep the caller's RNG
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    model.load_state_dict(load_file(str(path)), strict=True)  # fp16 on disk, cast into fp32 params
-    model.generation_config = _generation_config(config, tok)
-    model.to(device=dev, dtype=dt).eval()
-    return LoadedModel(model=model, processor=processor, name=DEMO_NAME, device=dev, dtype=dt, is_demo=False)
+    # fp16 on disk, cast into the fp32 parameters; the random init it replaces is seeded anyway
+    return _assemble(True, device, dtype, DEMO_SEED,
+                     lambda model, tok: model.load_state_dict(load_file(str(path)), strict=True))
 
 
 def trained_weights_path() -> Path:

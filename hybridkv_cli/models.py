@@ -38,14 +38,11 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .errors import ModelError, UsageError
-
-if TYPE_CHECKING:  # pragma: no cover - imports for annotations only
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
 
 __all__ = [
     "DEFAULT_MODEL",
