@@ -30,6 +30,7 @@ def ask(
     context: str | None = None,
     method: str | Policy = "hybridkv",
     max_new_tokens: int = 128,
+    defer_question: bool = False,
     **options,
 ) -> dict:
     """Answer ``question`` about ``media``, or about the text ``context`` when ``media`` is None,
@@ -38,11 +39,13 @@ def ask(
     ``method`` is a registered name or a ready ``Policy``; ``options`` are the method's
     parameters (``budget``, ``window``, ``theta``, ...), ignored where a method does not take
     them. In a text prompt the context's tokens take the role visual tokens have in a media
-    prompt. Returns the result record documented in README ("JSON output").
+    prompt. ``defer_question`` compresses the cache before the question is read (see
+    :func:`hybridkv_cli.generation.generate`). Returns the result record documented in README
+    ("JSON output").
     """
     policy = method if isinstance(method, Policy) else make_policy(method, **options)
     prompt = make_prompt(loaded, media, question, context)
-    run = generate(loaded.model, prompt, policy, max_new_tokens=max_new_tokens)
+    run = generate(loaded.model, prompt, policy, max_new_tokens=max_new_tokens, defer_question=defer_question)
     cached_tokens = run.cache.get_seq_length()
     full_bytes = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * cached_tokens
     full_bytes *= loaded.dtype.itemsize
@@ -54,6 +57,7 @@ def ask(
         "answer": loaded.tokenizer.decode(run.tokens, skip_special_tokens=True).strip(),
         "method": policy.name,
         "budget": policy.budget,
+        "defer_question": defer_question,
         "prefill_s": run.prefill_s,
         "decode": {"tokens": len(run.tokens), **latency_stats(run.step_s)},
         "kv": {

@@ -189,7 +189,8 @@ def run_bench(loaded, tasks: list[Task], methods: list[str], budgets: list[float
               frames: int = 64, fps: float | None = None, max_pixels: int | None = None, console=None,
               quiet: bool = False, debug: bool = False, **options) -> dict:
     """Run every task through :func:`plan_runs` and aggregate; returns ``{"config", "aggregates",
-    "items"}``. ``options`` (window, theta, ...) go to every method that takes them. A run that
+    "items"}``. ``options`` (window, theta, ...) go to every method that takes them;
+    ``defer_question`` in them goes to every run (:func:`hybridkv_cli.api.ask`). A run that
     fails (its input's media, the device memory, ...) becomes an item with ``error`` set and the
     others go on; ``debug`` re-raises unexpected exceptions. Progress and errors are shown on
     ``console`` (stderr) unless ``quiet``."""
@@ -197,6 +198,7 @@ def run_bench(loaded, tasks: list[Task], methods: list[str], budgets: list[float
 
     from hybridkv_cli.api import ask
     from hybridkv_cli.media import load_media
+    from hybridkv_cli.models import max_pixels_for
     from hybridkv_cli.pipeline import Progress, check_context, error_record
     from hybridkv_cli.report import DEMO_NOTE
 
@@ -220,7 +222,8 @@ def run_bench(loaded, tasks: list[Task], methods: list[str], budgets: list[float
     with progress:
         for task in tasks:
             try:
-                media = (load_media(list(task.media), frames=frames, fps=fps, max_pixels=max_pixels)
+                media = (load_media(list(task.media), frames=frames, fps=fps,
+                                    max_pixels=max_pixels_for(loaded.name, max_pixels))
                          if task.media else None)
                 check_context(loaded, media, task.question, max_new_tokens, source=task.id, context=task.context)
             except Exception as e:

@@ -39,6 +39,9 @@ HEAD_SCORES = typer.Option(None, metavar="FILE", help='sparsemm: JSON {"scores":
                            "(offline head scores) instead of scores computed from the prompt.")
 FRAMES = typer.Option(64, help="Frames sampled uniformly from a video.")
 FPS = typer.Option(None, help="Sample frames at this rate instead of --frames.")
+DEFER = typer.Option(False, "--defer-question", help="Compress the cache before the question is read; the "
+                     "question then goes through the compressed cache (as a later question about an "
+                     "already-compressed video would).")
 MAX_PIXELS = typer.Option(None, help="Max pixels per frame/image (resized by Qwen2.5-VL's rules).")
 DEVICE = typer.Option("auto", help="auto | cuda | cpu")
 DTYPE = typer.Option("auto", help="auto | bfloat16 | float16 | float32")
@@ -101,10 +104,11 @@ def _split_args(args: list[str] | None, context: str | None,
 def _prepare(args, context, model, device, dtype, frames, fps, max_pixels, quiet=False):
     """Validate the arguments, then read the input (cheap, first) and load the model."""
     from hybridkv_cli.media import load_media
-    from hybridkv_cli.models import load_model
+    from hybridkv_cli.models import load_model, max_pixels_for
     from hybridkv_cli.pipeline import read_context
 
     paths, question = _split_args(args, context)
+    max_pixels = max_pixels_for(model, max_pixels)
     media = load_media(paths, frames=frames, fps=fps, max_pixels=max_pixels) if paths else None
     text = read_context(context) if context is not None else None
     with _status(quiet)(f"loading {model} ..."):
@@ -121,7 +125,8 @@ def ask(
     head_scores: Optional[str] = HEAD_SCORES, frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(128, min=1, help="Greedy decoding length limit."),
-    device: str = DEVICE, dtype: str = DTYPE, as_json: bool = JSON, each: bool = EACH, jsonl: bool = JSONL,
+    defer_question: bool = DEFER, device: str = DEVICE, dtype: str = DTYPE, as_json: bool = JSON,
+    each: bool = EACH, jsonl: bool = JSONL,
     output: Optional[Path] = OUTPUT, resume: bool = RESUME, quiet: bool = QUIET, debug: bool = DEBUG,
     context: Optional[str] = CONTEXT,
 ):
@@ -136,10 +141,9 @@ def ask(
                   "comes last (MEDIA... QUESTION)", highlight=False, soft_wrap=True)
     options = AskOptions(
         model=model, device=device, dtype=dtype, method=method, frames=frames, fps=fps, max_pixels=max_pixels,
-        max_new_tokens=max_new_tokens, method_options=dict(budget=budget, window=window, theta=theta,
-                                                           sparsity_topk=sparsity_topk, share=share,
-                                                           chunk_size=chunk_size, sinks=sinks, page_size=page_size,
-                                                           head_scores=head_scores),
+        max_new_tokens=max_new_tokens, defer_question=defer_question,
+        method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
+                            chunk_size=chunk_size, sinks=sinks, page_size=page_size, head_scores=head_scores),
     )
     policy = options.policy()  # validates --method, --budget, ... before any input is read
     for flag, value, name in (("--sinks", sinks, "sinks"), ("--page-size", page_size, "page_size"),
@@ -252,6 +256,7 @@ def bench(
     share: float = SHARE, chunk_size: int = CHUNK, frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per run (greedy)."),
+    defer_question: bool = DEFER,
     out: Optional[Path] = typer.Option(None, help="Directory for bench.csv, bench.json and bench.png."),
     device: str = DEVICE, dtype: str = DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print the JSON (config, aggregates, items), not the table."),
@@ -273,7 +278,8 @@ def bench(
     loaded = Runner(AskOptions(model=model, device=device, dtype=dtype), stage=_status(quiet)).model()
     result = run_bench(loaded, inputs, names, sweep, max_new_tokens=max_new_tokens, frames=frames, fps=fps,
                        max_pixels=max_pixels, console=err, quiet=quiet, debug=debug, window=window, theta=theta,
-                       sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size)
+                       sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
+                       defer_question=defer_question)
     if out is not None:
         err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
     if as_json:

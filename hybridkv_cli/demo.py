@@ -317,7 +317,6 @@ DEMO_VISION = dict(
 TRAINED_TEXT = dict(
     DEMO_TEXT,
     intermediate_size=384,
-    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [4, 6, 6]},
     initializer_range=0.02,
 )
 TRAINED_VISION = dict(
@@ -328,6 +327,7 @@ TRAINED_VISION = dict(
     initializer_range=0.02,
 )
 TRAINED_WEIGHTS = "weights/demo.safetensors"  # relative to this package
+TRAINED_MAX_PIXELS = 112 * 112  # its frames and images (hybridkv_cli.synthetic): 16 visual tokens each
 
 
 def demo_config(tokenizer, *, trained: bool = False) -> "Any":

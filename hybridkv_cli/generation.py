@@ -49,12 +49,26 @@ class Generation:
     extra: dict = field(default_factory=dict)
 
 
-def generate(model, prompt: Prompt, policy: Policy, max_new_tokens: int = 128) -> Generation:
+def question_length(prompt: Prompt) -> int:
+    """Prompt tokens after the media (or text context): the question and the chat-template tail."""
+    roles = prompt.visual.nonzero()
+    return prompt.length - (int(roles.max()) + 1) if len(roles) else 0
+
+
+def generate(model, prompt: Prompt, policy: Policy, max_new_tokens: int = 128,
+             defer_question: bool = False) -> Generation:
     """Greedy-decode ``prompt`` with the KV cache owned by ``policy``.
 
-    The device-byte count after prefill is read when the first token arrives, before any
-    generated token is appended.
+    With ``defer_question`` only the prompt up to the end of the media is prefilled and
+    compressed; the question and the template tail then go through the compressed cache one
+    token per step, as a question about an already-compressed video would (the policy cannot
+    see it when it decides). The prompt tokens and the full-cache answer are the same.
+
+    The device-byte count after prefill is read when the first token arrives (deferred: when
+    the prefix is compressed), before any later token is appended.
     """
+    if defer_question and question_length(prompt):
+        return _generate_deferred(model, prompt, policy, max_new_tokens)
     use_policy_attention(model)
     device = model.device
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
@@ -79,5 +93,55 @@ def generate(model, prompt: Prompt, policy: Policy, max_new_tokens: int = 128) -
         step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
         cache=cache,
         device_bytes_after_prefill=after_prefill[0] if after_prefill else cache.device_bytes(),
+        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None,
+    )
+
+
+def _generate_deferred(model, prompt: Prompt, policy: Policy, max_new_tokens: int) -> Generation:
+    """:func:`generate` with the question fed after compression (a greedy loop of its own:
+    ``model.generate`` prefills the whole prompt at once)."""
+    use_policy_attention(model)
+    device = model.device
+    cut = prompt.length - question_length(prompt)
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
+    ids = inputs["input_ids"]
+    prefix = {k: v[:, :cut] if torch.is_tensor(v) and v.shape == ids.shape and not v.is_floating_point() else v
+              for k, v in inputs.items()}  # the per-token tensors: ids, attention mask, token types
+    cache = PolicyCache(policy, model.config.get_text_config().num_hidden_layers, prompt.visual[:cut])
+    eos = model.generation_config.eos_token_id
+    eos = set([eos] if isinstance(eos, int) else eos or [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+
+    def step(**kw) -> int:
+        return int(model(**kw, cache=cache, use_cache=True).logits[0, -1].argmax())
+
+    def stamp() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    tokens: list[int] = []
+    stamps = [stamp()]
+    with torch.inference_mode(), cache.active():
+        step(**prefix)
+        after_prefill = cache.device_bytes()
+        for token in ids[0, cut:]:
+            nxt = step(input_ids=token.view(1, 1))
+        stamps.append(stamp())
+        while True:
+            tokens.append(nxt)
+            if nxt in eos or len(tokens) >= max_new_tokens:
+                break
+            nxt = step(input_ids=torch.tensor([[nxt]], device=device))
+            stamps.append(stamp())
+    return Generation(
+        tokens=tokens,
+        prefill_s=stamps[1] - stamps[0],
+        step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
+        cache=cache,
+        device_bytes_after_prefill=after_prefill,
         cuda_peak_bytes=torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None,
     )

@@ -222,6 +222,17 @@ _FIX_HINT = (
 _HUB_PROBE_TIMEOUT_S = 5.0
 
 
+def max_pixels_for(name: str, max_pixels: int | None) -> int | None:
+    """``max_pixels`` when given, else the frame size model ``name`` was made for: the trained demo
+    learned on 112 x 112 frames, which Qwen's video minimum would upscale 3x; None (Qwen's own
+    bounds) for every other model."""
+    if max_pixels is None and name == DEMO_NAME:
+        from .demo import TRAINED_MAX_PIXELS, trained_weights_path
+
+        return TRAINED_MAX_PIXELS if trained_weights_path().is_file() else None
+    return max_pixels
+
+
 def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load ``name``: ``"demo"`` / ``"demo-random"``, ``"smollm2"``, a ``.gguf`` file, a local
     checkpoint directory, or a hub id. Checkpoints are Qwen2.5-VL or a text decoder of the

@@ -196,6 +196,7 @@ class AskOptions:
     fps: float | None = None
     max_pixels: int | None = None
     max_new_tokens: int = 128
+    defer_question: bool = False  # compress before the question is read (generation.generate)
 
     def policy(self):
         """A fresh policy (policies keep per-run state); raises UsageError for bad options."""
@@ -326,17 +327,20 @@ class Runner:
             raise item.error
         from hybridkv_cli.api import ask
         from hybridkv_cli.media import load_media
+        from hybridkv_cli.models import max_pixels_for
 
         o = self.options
         policy = o.policy()
-        media = load_media(list(item.paths), frames=o.frames, fps=o.fps, max_pixels=o.max_pixels) if item.paths else None
+        max_pixels = max_pixels_for(o.model, o.max_pixels)
+        media = load_media(list(item.paths), frames=o.frames, fps=o.fps, max_pixels=max_pixels) if item.paths else None
         loaded = self.model()
         check_context(loaded, media, question, o.max_new_tokens, source=item.key if item.paths else "--context",
                       context=context)
         failed = None
         with self.stage(f"answering ({policy.name}, budget {policy.budget:g}) ..."):
             try:
-                return ask(loaded, media, question, context=context, method=policy, max_new_tokens=o.max_new_tokens)
+                return ask(loaded, media, question, context=context, method=policy, max_new_tokens=o.max_new_tokens,
+                           defer_question=o.defer_question)
             except Exception as e:
                 if not _is_oom(e):
                     raise

@@ -37,7 +37,9 @@ def chat_text(processor, media: MediaInput, text: str) -> str:
     """The chat template rendered for ``media`` + ``text`` (one visual placeholder per image/video)."""
     parts = [{"type": "video"}] if media.kind == "video" else [{"type": "image"} for _ in media.images]
     messages = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # Several images are labelled "Picture 1:", ... (Qwen's convention), so questions can name them.
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         add_vision_id=len(parts) > 1)
 
 
 def question_ids(tokenizer, question: str) -> list[int]:

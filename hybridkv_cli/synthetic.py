@@ -3,15 +3,14 @@
 Everything is rendered with numpy from a seed, so a task set is reproducible bit for bit.
 
 **Videos** (:func:`make_scene`): ``frames`` frames (64 by default) of ``VIDEO_SIZE`` x ``VIDEO_SIZE``
-pixels, at ``VIDEO_FPS`` frames per second. The frame size is what :func:`hybridkv_cli.media.load_media`
-gives at its default settings (Qwen's video minimum of 128 x 28 x 28 pixels per frame), so the model
-trains on exactly what it sees at inference: 144 visual tokens per pair of frames, 4608 for 64
-frames. A seven-segment *scoreboard* in the top-left corner shows a digit that changes every eighth
-of the clip; coloured shapes (circle, triangle, 1-3 squares, star) appear, move cell by cell on
-the 28-pixel token grid and disappear.
+pixels, at ``VIDEO_FPS`` frames per second: 16 visual tokens (a 4 x 4 grid) per pair of frames, 512
+for 64 frames. The trained demo reads frames at this size (``hybridkv_cli.models.max_pixels_for``;
+Qwen's own video minimum would upscale them 3x). A seven-segment *scoreboard* in the top-left cell
+shows a digit that changes every eighth of the clip; coloured shapes (circle, triangle, 1-3
+squares, star) appear, move cell by cell on the 28-pixel token grid and disappear.
 
 **Image sets** (:func:`make_image_set`): 2-4 images of ``IMAGE_SIZE`` pixels with one or two shapes
-each (64 visual tokens per image).
+each (16 visual tokens per image).
 
 Questions and their kinds (answers come from :data:`ANSWERS`, so accuracy is exact match):
 
@@ -28,7 +27,8 @@ kind               question                                        answer
 =================  ==============================================  ========================
 
 Needle questions (``needle=True``) hinge on a star that is visible in one or two frames only;
-``QA.evidence`` lists the frames that hold the answer's evidence.
+``QA.evidence`` lists the frames that hold the answer's evidence. Held-out needle stars share
+their cell with no other shape (:func:`star_in_the_clear`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-VIDEO_SIZE = 336  # load_media's default size for small square clips (see the module docstring)
+VIDEO_SIZE = 112  # 4 x 4 visual tokens per frame pair
 VIDEO_FPS = 4.0  # with tokens_per_second=2 every temporal patch (2 frames) gets its own mRoPE time id
 FRAMES = 64
-IMAGE_SIZE = 224
+IMAGE_SIZE = 112
 
 COLOURS = {"red": (215, 40, 40), "green": (40, 165, 60), "blue": (45, 85, 220), "yellow": (230, 195, 25)}
 SHAPES = ("circle", "square", "triangle", "star")
@@ -200,8 +200,8 @@ def make_scene(rng: np.random.Generator, frames: int = FRAMES, *, needle: bool |
     """A random video scene and every question it answers.
 
     ``frames`` must be a multiple of 16 (8 scoreboard segments of whole temporal patches).
-    ``size`` (a multiple of 28, >= 224) is the frame side; shapes keep their pixel size, so a
-    smaller canvas is the same task with fewer visual tokens (training starts there).
+    ``size`` (a multiple of 28, >= 112) is the frame side; shapes keep their pixel size, so a
+    larger canvas is the same task with more visual tokens.
     ``needle`` forces the star to be a needle (True), a normal star (False), or leaves it to chance;
     ``kinds`` makes sure the scene can answer these question kinds (shapes are added as needed).
     """
@@ -294,7 +294,7 @@ def make_scene(rng: np.random.Generator, frames: int = FRAMES, *, needle: bool |
         kind = "needle_digit" if star_needle else "digit"
         digit = digits[star.start // seg]
         qas.append(QA(kind, "What digit is shown when the star appears?", str(digit), star_needle,
-                      tuple(range(star.start, star.stop)), (digit_label(digit),)))
+                      tuple(range(star.start, star.stop)), (object_label("star", star.colour),)))
     if len(onset) >= 2:
         firsts = [s for s, o in onset.items() if o == min(onset.values())]
         if len(firsts) == 1:
@@ -340,6 +340,20 @@ def make_image_set(rng: np.random.Generator, n: int | None = None) -> Scene:
     return Scene(video=None, images=images, qas=qas, label_maps=maps)
 
 
+def star_in_the_clear(scene: Scene) -> bool:
+    """Whether no other shape shares the star's cell while the star shows. (Training scenes may
+    put the star over another shape; a two-frame needle star over a shape of its own colour
+    would be invisible, so held-out needle items are drawn in the clear.)"""
+    labels = scene.label_maps[0]
+    star = [object_label("star", c) for c in COLOURS]
+    for t in scene.shown.get("star", ()):
+        ys, xs = np.nonzero(np.isin(labels[t], star))
+        cell = labels[t, ys.min() // CELL * CELL:][:CELL, xs.min() // CELL * CELL:][:, :CELL]
+        if np.any((cell != 0) & ~np.isin(cell, star)):
+            return False
+    return True
+
+
 # --- held-out sets ------------------------------------------------------------------------------
 #: Items per kind in :func:`held_out` (200 in all, 60 of them needle items).
 HELD_OUT_QUOTA = {"colour": 30, "first": 25, "count": 25, "digit": 30, "which_image": 30,
@@ -367,13 +381,13 @@ def held_out(seed: int = HELD_OUT_SEED, quota: dict[str, int] | None = None, fra
     for k, (kind, count) in enumerate(quota.items()):
         for i in range(count):
             rng = np.random.default_rng([seed, k, i])
-            while True:  # redraw until the scene asks this kind (rare for kinds forced below)
+            while True:  # redraw until the scene asks this kind and a needle star is in the clear
                 if kind == "which_image":
                     scene = make_image_set(rng)
                 else:
                     scene = make_scene(rng, frames, kinds=(kind,))
                 options = [qa for qa in scene.qas if qa.kind == kind]
-                if options:
+                if options and (not kind.startswith("needle") or star_in_the_clear(scene)):
                     break
             qa = options[int(rng.integers(len(options)))]
             items.append(Item(f"{kind}-{i:03d}", scene, qa))

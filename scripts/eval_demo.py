@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hybridkv_cli.api import ask  # noqa: E402
 from hybridkv_cli.media import load_media  # noqa: E402
-from hybridkv_cli.models import load_model  # noqa: E402
+from hybridkv_cli.models import load_model, max_pixels_for  # noqa: E402
 
 
 def normalise(answer: str) -> str:
@@ -36,13 +36,14 @@ def read_manifest(path: Path) -> tuple[Path, list[dict]]:
     return manifest.parent, rows
 
 
-def evaluate(loaded, root: Path, rows: list[dict], method: str = "full", progress: bool = True) -> dict:
+def evaluate(loaded, root: Path, rows: list[dict], method: str = "full", progress: bool = True,
+             max_pixels: int | None = None) -> dict:
     """Ask every row; return {"overall", "needle", "kinds": {kind: acc}, "n", "rows": [...]}."""
     results = []
     for i, row in enumerate(rows):
         media = row["media"]
         paths = [str(root / m) for m in media] if isinstance(media, list) else str(root / media)
-        out = ask(loaded, load_media(paths), row["question"], method=method, max_new_tokens=8)
+        out = ask(loaded, load_media(paths, max_pixels=max_pixels), row["question"], method=method, max_new_tokens=8)
         ok = normalise(out["answer"]) == normalise(row["answer"])
         results.append({"id": row["id"], "kind": row["kind"], "needle": row["needle"], "expected": row["answer"],
                         "answer": out["answer"], "correct": ok})
@@ -77,12 +78,12 @@ def main(argv=None) -> int:
     rows = rows[: args.limit]
     start = time.perf_counter()
     if args.weights:
-        from hybridkv_cli.demo import build_trained_demo
+        from hybridkv_cli.demo import TRAINED_MAX_PIXELS, build_trained_demo
 
-        loaded = build_trained_demo(weights=args.weights)
+        loaded, max_pixels = build_trained_demo(weights=args.weights), TRAINED_MAX_PIXELS
     else:
-        loaded = load_model(args.model, device="cpu", dtype="float32")
-    summary = evaluate(loaded, root, rows, method=args.method)
+        loaded, max_pixels = load_model(args.model, device="cpu", dtype="float32"), max_pixels_for(args.model, None)
+    summary = evaluate(loaded, root, rows, method=args.method, max_pixels=max_pixels)
     summary["seconds"] = time.perf_counter() - start
     def acc(x):
         return "-" if x is None else f"{x:.3f}"

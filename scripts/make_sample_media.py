@@ -11,6 +11,10 @@ Writes:
   images/blue_square.jpg    a blue square on grass-green ground under a sky
   images/green_triangle.webp  a green triangle over a dark line
   events.txt                the timeline of shapes.mp4 (seconds and captions)
+  needle.mp4                64 frames, 112x112, 4 fps: a synthetic clip (hybridkv_cli.synthetic) whose
+                            star shows in two frames only; the README's first command asks about it
+  questions.jsonl           every question about needle.mp4 with its answer (what the trained demo
+                            is tested on: tests/test_trained_demo.py)
 """
 
 from __future__ import annotations
@@ -159,6 +163,24 @@ def write_images(folder: Path) -> list[Path]:
     return out
 
 
+NEEDLE_SEED = 12  # a scene with a two-frame star, a circle, a triangle and squares; the squares come first
+
+
+def write_needle_clip(out: Path) -> list[Path]:
+    """needle.mp4 and questions.jsonl (one row per question the scene answers)."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from hybridkv_cli import synthetic as S
+
+    scene = S.make_scene(np.random.default_rng(NEEDLE_SEED), needle=True, kinds=("count", "first"))
+    S.write_mp4(out / "needle.mp4", scene.video)
+    rows = [{"media": "needle.mp4", "question": qa.question, "answer": qa.answer, "kind": qa.kind,
+             "frames": [min(qa.evidence), max(qa.evidence)] if qa.evidence else None} for qa in scene.qas]
+    (out / "questions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return [out / "needle.mp4", out / "questions.jsonl"]
+
+
 def main(argv: list[str]) -> int:
     out = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parent.parent / "sample_media"
     out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +190,7 @@ def main(argv: list[str]) -> int:
     lines += [f"  {start:4.1f}s  {what}" for start, what in EVENTS]
     (out / "events.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     total = 0
-    for p in [out / "shapes.mp4", out / "events.txt", *images]:
+    for p in [out / "shapes.mp4", out / "events.txt", *images, *write_needle_clip(out)]:
         size = p.stat().st_size
         total += size
         print(f"{p}  {size / 1024:.1f} KiB")

@@ -3,8 +3,8 @@
 
     python scripts/make_video_tasks.py OUTDIR [--seed 20000]
 
-OUTDIR/videos/*.mp4 (64 frames, 336x336, 4 fps, H.264), OUTDIR/images/<id>/*.png (image sets) and
-OUTDIR/tasks.jsonl, one row per question:
+OUTDIR/videos/*.mp4 (64 frames, 112x112, 4 fps, H.264), OUTDIR/images/<id>/*.png (image sets) and
+OUTDIR/tasks.jsonl, one row per question (OUTDIR/needle.jsonl: the needle rows only):
 
     {"id": "needle_colour-003", "media": "videos/needle_colour-003.mp4", "question": "What colour is
      the star?", "answer": "blue", "needle": true, "kind": "needle_colour"}
@@ -40,10 +40,11 @@ def main(argv=None) -> int:
         media = S.write_item(item, args.outdir)
         rows.append({"id": item.id, "media": media, "question": item.qa.question, "answer": item.qa.answer,
                      "needle": item.qa.needle, "kind": item.qa.kind})
-    manifest = args.outdir / "tasks.jsonl"
-    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    for name, subset in (("tasks.jsonl", rows), ("needle.jsonl", [r for r in rows if r["needle"]])):
+        (args.outdir / name).write_text("".join(json.dumps(r) + "\n" for r in subset), encoding="utf-8")
     needles = sum(r["needle"] for r in rows)
-    print(f"wrote {manifest}: {len(rows)} items ({needles} needle) in {time.perf_counter() - start:.0f} s")
+    print(f"wrote {args.outdir / 'tasks.jsonl'}: {len(rows)} items, and needle.jsonl: the {needles} needle items "
+          f"({time.perf_counter() - start:.0f} s)")
     return 0
 
 

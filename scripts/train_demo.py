@@ -1,23 +1,31 @@
 #!/usr/bin/env python
 """Train the demo model (``--model demo``) from scratch on the synthetic tasks, on CPU.
 
-    python scripts/train_demo.py [--steps 900] [--seed 0] [--threads 2] [--out hybridkv_cli/weights/demo.safetensors]
+    python scripts/train_demo.py [--steps 3800] [--seed 0] [--threads 2] [--out hybridkv_cli/weights/demo.safetensors]
 
 The model is the real ``Qwen2_5_VLForConditionalGeneration`` with the tiny config
 ``hybridkv_cli.demo.TRAINED_TEXT`` / ``TRAINED_VISION`` and the offline demo processor. Every
 training example goes through :func:`hybridkv_cli.prompt.build_prompt`, the exact inference prompt,
 and the loss covers only the answer tokens and the closing ``<|im_end|>``.
 
-One step = a few scenes of one geometry (videos of 16, 32 or 64 frames, or image sets; see
-:func:`draw_batch`) with *all* the questions each scene answers. The visual prefixes (system turn,
-user header, visual tokens) are the expensive part, so they run once; each question then runs on a
-copy of its scene's KV cache (:func:`scene_loss`). Every question thus sees exactly its own
-inference prompt while the vision tower and the up-to-4.6k-token prefix are paid once per scene.
-Two training-only aids, neither shipped: an auxiliary linear head predicts what each vision-tower
-output token shows (a dense signal for the vision tower from the first step), and attention
-guidance teaches two of the eight KV-head groups a two-step retrieval (:data:`GUIDED_LAYERS`).
-Deterministic for a seed on a given machine, torch build and thread count. docs/demo_model.md
-has the measured time and the held-out accuracy.
+One step = up to eight scenes of one geometry (image sets, or 16-, 32- or 64-frame clips of 112 x
+112 pixels; see :func:`draw_batch`) with *all* the questions each scene answers. The visual prefixes
+(system turn, user header, visual tokens) run once; each question then runs on a copy of its
+scene's KV cache (:func:`scene_loss`), which gives exactly the loss of its full inference prompt.
+
+Three training-only aids, none shipped, make the retrieval circuit learnable in minutes:
+
+* an auxiliary linear head on the vision tower's output tokens predicts what each token shows
+  (shape x colour, scoreboard digit, background) and, for videos, the scoreboard digit and the
+  number of squares in its frames, so the star's tokens can tell the digit and a square's the count;
+* attention guidance (:data:`GUIDES`) on three of the eight KV-head groups: image tokens -> their
+  "Picture k:" number, the question's key word -> the evidence tokens, the answer position -> the
+  key word;
+* an answer probe: a linear head reads the answer off the key word's residual stream where the
+  answer position's guided heads read it.
+
+Deterministic for a seed on a given machine, torch build and thread count. docs/demo_model.md has
+the measured time and the held-out accuracy.
 """
 
 from __future__ import annotations
@@ -67,7 +75,8 @@ def encode(processor, medias: list[MediaInput], qa_lists: list[list[S.QA]]):
 
     Returns the processor inputs of the prefixes (system turn, user header, visual tokens) stacked
     over scenes, and one (ids, labels) row per question: question + chat-template tail + answer +
-    ``<|im_end|>`` (labels on the last two), with the index of its scene and of its key word.
+    ``<|im_end|>`` (labels on the last two), with the index of its scene and of its key word
+    (:func:`key_position`).
     """
     tok = processor.tokenizer
     vision_end = tok.convert_tokens_to_ids("<|vision_end|>")
@@ -85,12 +94,21 @@ def encode(processor, medias: list[MediaInput], qa_lists: list[list[S.QA]]):
             a = tok(qa.answer, add_special_tokens=False)["input_ids"] + [im_end]
             rows.append((q + a, [IGNORE] * len(q) + a))
             owner.append(b)
-            keys.append(len(question_ids(tok, qa.question)) - 2)  # the token before "?"
+            keys.append(key_position(tok, qa.question))
     batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}  # fails loudly on unequal prefixes
     width = max(len(r[0]) for r in rows)
     suffix = torch.tensor([r[0] + [tok.pad_token_id] * (width - len(r[0])) for r in rows])
     labels = torch.tensor([r[1] + [IGNORE] * (width - len(r[1])) for r in rows])
     return batch, suffix, labels, torch.tensor(owner), keys
+
+
+def key_position(tokenizer, question: str) -> int:
+    """The question's key word: the last token of its last shape word ("circle", "star", "squares"),
+    else of the word before "?" ("first"). Its query is what finds the evidence."""
+    words = question.rstrip("?").split(" ")
+    named = [i for i, w in enumerate(words) if w.startswith(S.SHAPES)]
+    end = named[-1] if named else len(words) - 1
+    return len(question_ids(tokenizer, " ".join(words[:end + 1]))) - 1
 
 
 def token_labels(maps: list[np.ndarray], temporal: int = 2, px: int = 28, min_share: float = 0.08) -> torch.Tensor:
@@ -115,6 +133,23 @@ def token_labels(maps: list[np.ndarray], temporal: int = 2, px: int = 28, min_sh
     return torch.from_numpy(np.concatenate(out))
 
 
+def frame_targets(per_scene: list[torch.Tensor], per_patch: int, video: bool):
+    """Per visual token of a video: the scoreboard digit and the number of squares (0-3) in its
+    temporal patch, so every token can tell them (what "the digit when the star appears" and
+    "how many squares" read off the star's and the squares' tokens). None for image sets."""
+    if not video:
+        return None, None
+    digits, counts = [], []
+    for labels in per_scene:
+        patches = labels.view(-1, per_patch)
+        digit = patches[:, 0] - S.digit_label(0)  # the scoreboard is the top-left token
+        square = torch.tensor([S.object_label("square", c) for c in S.COLOURS])
+        count = torch.isin(patches, square).sum(1).clamp(max=3)
+        digits.append(digit.repeat_interleave(per_patch))
+        counts.append(count.repeat_interleave(per_patch))
+    return torch.cat(digits), torch.cat(counts)
+
+
 def evidence_tokens(qa: S.QA, labels: torch.Tensor, per_patch: int) -> torch.Tensor:
     """Which of a scene's visual tokens hold ``qa``'s evidence: its pixel labels, within its
     frames (videos: temporal patch = frame // 2) or its image (image sets: ``per_patch`` tokens each)."""
@@ -126,44 +161,73 @@ def evidence_tokens(qa: S.QA, labels: torch.Tensor, per_patch: int) -> torch.Ten
     return hit
 
 
-# Attention guidance: a two-step retrieval circuit, taught directly. In layer 2 one KV group of
-# heads, read at the question's key word (the token before "?": "circle", "square", "first", ...),
-# is pulled onto the visual tokens that hold the evidence; in layer 3 one KV group, read at the last
-# prompt position (the one that predicts the answer), is pulled onto that key-word position. The
-# other heads are free, so the model keeps a mix of focused and spread-out heads.
-GUIDED_LAYERS = {2: 0, 3: 1}  # layer -> KV head whose query group is guided
+# Attention guidance: a retrieval circuit, taught directly. Each guide pulls one KV group of heads
+# (its query heads), read at given positions, onto given keys; the other heads are free, so the
+# model keeps a mix of focused and spread-out heads.
+#   picture:  layer 0, image sets: every visual token -> the number of its "Picture k:" label;
+#   evidence: layer 1, the question's key word (:func:`key_position`: "circle", "star", "first")
+#             -> the visual tokens that hold the evidence;
+#   word:     layer 2, the last prompt position (it predicts the answer) -> the key word.
+GUIDES = {"picture": (0, 1), "evidence": (1, 0), "word": (2, 1)}  # name -> (layer, KV head)
 _PROBE: dict = {}
 
 
 def guided_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """``sdpa`` attention that also records, when ``_PROBE`` is armed for this layer, the guided
-    heads' attention mass on ``_PROBE[layer] = (query index per row, bool mask over all keys)``."""
+    """``sdpa`` attention that also records, when ``_PROBE`` is armed for this layer with
+    ``(name, kv, at, target)``, the guided heads' attention mass at query positions ``at``
+    (rows x Q, indices into this call's queries) on the keys in ``target`` (rows x Q x keys)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    kv = GUIDED_LAYERS.get(module.layer_idx)
     if module.layer_idx in _PROBE:
-        at, target = _PROBE[module.layer_idx]
+        name, kv, at, target = _PROBE[module.layer_idx]
         rows, group = query.shape[0], query.shape[1] // key.shape[1]
         heads = torch.arange(kv * group, (kv + 1) * group)
-        q = query[torch.arange(rows)[:, None], heads[None, :], at[:, None]].float()  # (R, g, d)
-        logits = torch.einsum("rgd,rkd->rgk", q, key[:, kv].float()) * module.scaling
-        prefix = key.shape[2] - query.shape[2]
-        future = torch.arange(key.shape[2])[None, :] > prefix + at[:, None]  # causal
+        q = query[torch.arange(rows)[:, None, None], heads[None, :, None], at[:, None, :]].float()  # (R, g, Q, d)
+        logits = torch.einsum("rgqd,rkd->rgqk", q, key[:, kv].float()) * module.scaling
+        offset = key.shape[2] - query.shape[2]  # cached keys before this call's queries
+        future = torch.arange(key.shape[2])[None, None, :] > offset + at[:, :, None]  # causal
         probs = logits.masked_fill(future[:, None], float("-inf")).softmax(-1)
-        _PROBE["mass"].append((probs * target[:, None]).sum(-1).mean(-1))
+        _PROBE["mass"][name] = (probs * target[:, None]).sum(-1).mean(1)  # (R, Q)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def _arm(name: str, at: torch.Tensor, target: torch.Tensor) -> None:
+    layer, kv = GUIDES[name]
+    _PROBE[layer] = (name, kv, at, target)
+
+
+def picture_targets(input_ids: torch.Tensor, tokenizer):
+    """For image-set prefixes: (positions of the visual tokens, each one's label-number position)
+    as (B x Q) indices, or None when fewer than two images carry labels."""
+    start = tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    if int((input_ids[0] == start).sum()) < 2:
+        return None
+    at, label = [], []
+    for ids in input_ids:
+        visual = (ids == pad).nonzero()[:, 0]
+        starts = (ids == start).nonzero()[:, 0]
+        owner = torch.searchsorted(starts, visual, right=True) - 1  # the image each visual token is in
+        at.append(visual)
+        label.append(starts[owner] - 3)  # "Picture", " ", "k", ":", " ", <|vision_start|>: k is 3 back
+    return torch.stack(at), torch.stack(label)
+
+
 def scene_loss(model, inputs: dict, suffix: torch.Tensor, labels: torch.Tensor, owner: torch.Tensor,
-               evidence: torch.Tensor | None = None, key_index: list[int] | None = None):
-    """Mean answer-token cross-entropy, the per-question exact match (teacher-forced argmax), and
-    the vision tower's output tokens (for the auxiliary loss).
+               evidence: torch.Tensor | None = None, key_index: list[int] | None = None,
+               picture: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Mean answer-token cross-entropy, the per-question exact match (teacher-forced argmax), the
+    vision tower's output tokens (for the auxiliary loss), the guided heads' attention mass and
+    the key word's residual stream where the "word" heads read it (for the answer probe).
 
     The prefixes run once; each question row then runs on a copy of its scene's cache. Text after
-    the visuals has the same position on all three mRoPE axes (one past the prefix's largest), and
-    right padding is harmless under the causal mask. With ``evidence`` (rows x prefix positions)
+    the visuals continues from the prefix's last token (``<|vision_end|>``), the same on all three
+    mRoPE axes, as ``get_rope_index`` numbers the full prompt. (Not one past the largest position:
+    a video's time axis runs past its height and width, and the text resumes after the latter.)
+    Right padding is harmless under the causal mask. With ``evidence`` (rows x prefix positions)
     and ``key_index`` (each row's key-word position) it also returns the guided heads' attention
-    mass (layers x rows; see :data:`GUIDED_LAYERS`).
+    mass ``{"evidence": rows, "word": rows}``, plus ``"picture"`` (scenes x visual tokens) with
+    ``picture`` (:func:`picture_targets`); see :data:`GUIDES`.
     """
     from transformers import DynamicCache
 
@@ -179,11 +243,20 @@ def scene_loss(model, inputs: dict, suffix: torch.Tensor, labels: torch.Tensor, 
         kind, vis = "image", inner.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"],
                                                       return_dict=True)
     cache = DynamicCache(config=model.config)
-    inner(input_ids=inputs["input_ids"], position_ids=pos, cache=cache, use_cache=True,
-          mm_encoder_outputs={kind: vis})
+    _PROBE["mass"] = {}
+    if picture is not None:
+        at, label = picture
+        target = torch.zeros(*at.shape, inputs["input_ids"].shape[1], dtype=torch.bool)
+        target.scatter_(2, label[..., None], True)
+        _arm("picture", at, target)
+    try:
+        inner(input_ids=inputs["input_ids"], position_ids=pos, cache=cache, use_cache=True,
+              mm_encoder_outputs={kind: vis})
+    finally:
+        _PROBE.pop(GUIDES["picture"][0], None)
     cache.batch_select_indices(owner)
     rows, width = suffix.shape
-    start = pos.amax(dim=(0, 2))[owner] + 1  # per row: one past its prefix's largest position
+    start = pos[0, :, -1][owner] + 1  # per row: one past its prefix's last token
     spos = (start[:, None] + torch.arange(width)).unsqueeze(0).expand(3, rows, width)
     # An explicit mask: with none, transformers lets SDPA use is_causal, whose top-left alignment
     # would hide the cached prefix from the questions (query i would see keys 0..i only).
@@ -196,12 +269,15 @@ def scene_loss(model, inputs: dict, suffix: torch.Tensor, labels: torch.Tensor, 
         to_visual = torch.cat([evidence, torch.zeros(rows, width, dtype=torch.bool)], 1)
         to_word = torch.zeros_like(to_visual)
         to_word[torch.arange(rows), prefix + key_word] = True
-        _PROBE.update({2: (key_word, to_visual), 3: (last, to_word), "mass": []})
+        _arm("evidence", key_word[:, None], to_visual[:, None])
+        _arm("word", last[:, None], to_word[:, None])
     try:
-        hidden = inner.language_model(inputs_embeds=inner.get_input_embeddings()(suffix), position_ids=spos,
-                                      attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
+        out = inner.language_model(inputs_embeds=inner.get_input_embeddings()(suffix), position_ids=spos,
+                                   attention_mask=mask, cache=cache, use_cache=True,
+                                   output_hidden_states=evidence is not None)
+        hidden = out.last_hidden_state
     finally:
-        mass = torch.stack(_PROBE.pop("mass")) if evidence is not None else None
+        mass = {name: m[:, 0] if name != "picture" else m for name, m in _PROBE.pop("mass").items()}
         _PROBE.clear()
     target = labels[:, 1:]
     keep = target != IGNORE  # logits only where an answer token is predicted
@@ -209,24 +285,25 @@ def scene_loss(model, inputs: dict, suffix: torch.Tensor, labels: torch.Tensor, 
     loss = torch.nn.functional.cross_entropy(logits.float(), target[keep])
     hit = torch.ones_like(target, dtype=torch.bool)
     hit[keep] = logits.argmax(-1) == target[keep]
-    return loss, hit.all(dim=1), torch.cat(vis.pooler_output), mass
+    # what the "word" heads read at the key word: the residual stream entering their layer
+    retrieved = (out.hidden_states[GUIDES["word"][0]][torch.arange(rows), key_word]
+                 if evidence is not None else None)
+    return loss, hit.all(dim=1), torch.cat(vis.pooler_output), mass, retrieved
 
 
 def draw_batch(rng: np.random.Generator, progress: float) -> list[S.Scene]:
-    """One step's scenes, all of one geometry: a curriculum of visual-sequence length. First image
-    sets and 16/32-frame clips on a 224-pixel canvas (256-512 visual tokens), then 336-pixel clips
-    (the inference size), 64-frame ones most often at the end. Most clips have a star, a third of
-    them a needle star."""
-    stage = 0 if progress < 0.5 else (1 if progress < 0.8 else 2)
-    if rng.random() < (0.3, 0.15, 0.1)[stage]:
+    """One step's scenes, all of one geometry: eight image sets (a fifth of the steps), or eight
+    16-frame, four 32-frame or two 64-frame clips (128 / 256 / 512 visual tokens each), the long
+    ones more often as training goes on. Most clips have a star, a third of them a needle star."""
+    stage = 0 if progress < 0.3 else (1 if progress < 0.6 else 2)
+    if rng.random() < 0.2:
         n = int(rng.integers(2, 5))
-        return [S.make_image_set(rng, n) for _ in range(4)]
-    size = 224 if stage == 0 else S.VIDEO_SIZE
-    options = [(16, 3), (32, 2)] if stage == 0 else [(16, 2), (32, 1), (64, 1)]
-    p = ([0.6, 0.4], [0.4, 0.35, 0.25], [0.2, 0.3, 0.5])[stage]
+        return [S.make_image_set(rng, n) for _ in range(8)]
+    options = [(16, 8), (32, 4), (64, 2)]
+    p = ([0.6, 0.3, 0.1], [0.3, 0.4, 0.3], [0.1, 0.3, 0.6])[stage]
     frames, count = options[int(rng.choice(len(options), p=p))]
     needles = [(True, False, None)[int(rng.choice(3, p=[0.35, 0.35, 0.3]))] for _ in range(count)]
-    return [S.make_scene(rng, frames, needle=needle, size=size) for needle in needles]
+    return [S.make_scene(rng, frames, needle=needle) for needle in needles]
 
 
 def build_model(seed: int):
@@ -244,7 +321,7 @@ def build_model(seed: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=900, help="optimizer steps (1-4 scenes each)")
+    ap.add_argument("--steps", type=int, default=3800, help="optimizer steps (2-8 scenes each)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=30)
@@ -253,6 +330,7 @@ def main(argv=None) -> int:
                     help="train in fp32 (default: bf16 autocast, fp32 master weights; ~1.4x faster on CPU)")
     ap.add_argument("--aux", type=float, default=0.5, help="weight of the auxiliary per-token label loss")
     ap.add_argument("--guide", type=float, default=0.3, help="weight of the attention-guidance loss")
+    ap.add_argument("--probe", type=float, default=0.5, help="weight of the answer-probe loss at the key word")
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--out", type=Path, default=ROOT / "hybridkv_cli" / D.TRAINED_WEIGHTS)
     args = ap.parse_args(argv)
@@ -265,10 +343,15 @@ def main(argv=None) -> int:
     # Auxiliary head (not shipped): what each vision-tower output token shows. It gives the vision
     # tower a dense signal from the first step, instead of only what trickles back through the
     # text model's (at first uniform) attention over thousands of visual tokens.
-    aux_head = torch.nn.Linear(model.config.vision_config.out_hidden_size, S.N_LABELS)
+    aux_head = torch.nn.Linear(model.config.vision_config.out_hidden_size, S.N_LABELS + 10 + 4)
+    # Answer probe (not shipped): the key word's residual stream, after the evidence heads, should
+    # already hold the answer, so the "word" heads only have to copy it to the answer position.
+    answer_list = sorted(S.ANSWERS)
+    probe = torch.nn.Linear(model.config.text_config.hidden_size, len(answer_list))
     aux_weight = torch.ones(S.N_LABELS)
     aux_weight[0] = 0.1  # background tokens dominate
-    params = [*model.named_parameters(), *(("aux." + n, p) for n, p in aux_head.named_parameters())]
+    params = [*model.named_parameters(), *(("aux." + n, p) for n, p in aux_head.named_parameters()),
+              *(("probe." + n, p) for n, p in probe.named_parameters())]
     decay = [p for n, p in params if p.ndim >= 2 and "embed" not in n]
     other = [p for n, p in params if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
@@ -281,8 +364,9 @@ def main(argv=None) -> int:
         return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * a)))
 
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    stats: dict[str, list[float]] = {"loss": [], "acc": [], "aux": [], "guide": [], "word": []}
+    stats: dict[str, list[float]] = {"loss": [], "acc": [], "aux": [], "guide": [], "word": [], "picture": []}
     per_kind: dict[str, list[bool]] = {}
+    kind_mass: dict[str, list[float]] = {}
     for step in range(args.steps):
         rng = np.random.default_rng([args.seed, step])
         scenes = [sc for sc in draw_batch(rng, step / args.steps) if sc.qas]
@@ -290,37 +374,52 @@ def main(argv=None) -> int:
                                                           [sc.qas for sc in scenes])
         per_scene = [token_labels(sc.label_maps) for sc in scenes]
         targets = torch.cat(per_scene)
-        visual = inputs["mm_token_type_ids"] != 0
-        evidence = torch.zeros(len(owner), visual.shape[1], dtype=torch.bool)
         grid = inputs.get("video_grid_thw", inputs.get("image_grid_thw"))
         per_patch = int(grid[0, 1] * grid[0, 2]) // 4  # visual tokens per temporal patch / per image
+        digit_t, count_t = frame_targets(per_scene, per_patch, scenes[0].video is not None)
+        visual = inputs["mm_token_type_ids"] != 0
+        evidence = torch.zeros(len(owner), visual.shape[1], dtype=torch.bool)
         for r, qa in enumerate(qa for sc in scenes for qa in sc.qas):
             b = int(owner[r])
             evidence[r, visual[b]] = evidence_tokens(qa, per_scene[b], per_patch)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            qa_loss, hits, tokens, mass = scene_loss(model, inputs, suffix, labels, owner, evidence, key_index)
-            aux = torch.nn.functional.cross_entropy(aux_head(tokens).float(), targets, weight=aux_weight)
+            picture = picture_targets(inputs["input_ids"], processor.tokenizer) if scenes[0].video is None else None
+            qa_loss, hits, tokens, mass, retrieved = scene_loss(model, inputs, suffix, labels, owner, evidence, key_index,
+                                                     picture)
+            out = aux_head(tokens).float()
+            aux = torch.nn.functional.cross_entropy(out[:, :S.N_LABELS], targets, weight=aux_weight)
+            if digit_t is not None:
+                aux = aux + torch.nn.functional.cross_entropy(out[:, S.N_LABELS:S.N_LABELS + 10], digit_t) \
+                    + torch.nn.functional.cross_entropy(out[:, S.N_LABELS + 10:], count_t)
+            answers = torch.tensor([answer_list.index(qa.answer) for sc in scenes for qa in sc.qas])
+            probe_loss = torch.nn.functional.cross_entropy(probe(retrieved).float(), answers)
         has = evidence.any(1)
-        guide = -(torch.log(mass[0, has] + 1e-4).mean() + torch.log(mass[1] + 1e-4).mean()) / 2
+        guide = sum(-torch.log(m + 1e-4).mean() for m in (mass["evidence"][has], mass["word"], mass.get("picture"))
+                    if m is not None) / 2
         opt.zero_grad(set_to_none=True)
-        (qa_loss + args.aux * aux + args.guide * guide).backward()
+        (qa_loss + args.aux * aux + args.guide * guide + args.probe * probe_loss).backward()
         torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
         opt.step()
         stats["loss"].append(qa_loss.item())
         stats["aux"].append(aux.item())
-        stats["guide"].append(mass[0, has].mean().item())
-        stats["word"].append(mass[1].mean().item())
-        for qa, h in zip((qa for sc in scenes for qa in sc.qas), hits.tolist()):
+        stats["guide"].append(mass["evidence"][has].mean().item())
+        stats["word"].append(mass["word"].mean().item())
+        if "picture" in mass:
+            stats["picture"].append(mass["picture"].mean().item())
+        for qa, h, m in zip((qa for sc in scenes for qa in sc.qas), hits.tolist(), mass["evidence"].tolist()):
             per_kind.setdefault(qa.kind, []).append(h)
+            kind_mass.setdefault(qa.kind, []).append(m)
             stats["acc"].append(h)
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            kinds = " ".join(f"{k} {np.mean(v[-100:]):.2f}" for k, v in sorted(per_kind.items()))
+            kinds = " ".join(f"{k} {np.mean(v[-100:]):.2f}/{np.mean(kind_mass[k][-100:]):.2f}"
+                             for k, v in sorted(per_kind.items()))
             print(f"step {step + 1:5d}  loss {np.mean(stats['loss'][-args.log_every:]):.3f}  "
                   f"aux {np.mean(stats['aux'][-args.log_every:]):.3f}  "
                   f"mass: evidence {np.nanmean(stats['guide'][-args.log_every:]):.2f} "
-                  f"word {np.mean(stats['word'][-args.log_every:]):.2f}  "
+                  f"word {np.mean(stats['word'][-args.log_every:]):.2f} "
+                  f"picture {np.mean(stats['picture'][-args.log_every:] or [0]):.2f}  "
                   f"acc {np.mean(stats['acc'][-300:]):.2f}  [{kinds}]  lr {lr_at(step):.2e}  "
                   f"wall {time.perf_counter() - wall0:6.0f} s  cpu {time.process_time() - cpu0:6.0f} s", flush=True)
 

@@ -31,7 +31,7 @@ from hybridkv_cli.compression.snapkv import SnapKV
 from hybridkv_cli.compression.sparsemm import SparseMM, head_budgets
 from hybridkv_cli.compression.streamingllm import StreamingLLM
 from hybridkv_cli.errors import HybridKVError
-from hybridkv_cli.generation import generate
+from hybridkv_cli.generation import generate, question_length
 from hybridkv_cli.media import load_media
 from hybridkv_cli.demo import build_demo
 from hybridkv_cli.models import LoadedModel
@@ -153,6 +153,18 @@ def test_budget_one_reproduces_full(models, prompts, reference, name, kind):
     assert run.tokens == reference[kind].tokens
     # ... because nothing was dropped: at least the full cache's bytes are on the device.
     assert run.device_bytes_after_prefill >= reference[kind].device_bytes_after_prefill
+
+
+@pytest.mark.parametrize("kind", ["video", "llama"])
+@pytest.mark.parametrize("name", NAMES)
+def test_question_after_compression_at_budget_one_reproduces_full(models, prompts, reference, name, kind):
+    # the question goes through the compressed cache one token per step: same tokens as full
+    prompt = prompts[kind]
+    run = generate(models[kind].model, prompt, make_policy(name, budget=1.0), max_new_tokens=NEW_TOKENS,
+                   defer_question=True)
+    assert run.tokens == reference[kind].tokens
+    assert run.cache.get_seq_length() == prompt.length + NEW_TOKENS - 1  # every prompt token went in
+    assert 0 < question_length(prompt) < 40
 
 
 @pytest.mark.parametrize("kind", ["video", "llama"])

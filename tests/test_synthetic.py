@@ -29,13 +29,16 @@ def test_scene_is_deterministic_in_the_seed():
 
 
 def test_video_geometry_matches_what_load_media_gives():
+    from hybridkv_cli.demo import TRAINED_MAX_PIXELS as demo
     from hybridkv_cli.media import pixel_bounds, target_size
 
     scene = S.make_scene(np.random.default_rng(0))
     assert scene.video.shape == (S.FRAMES, S.VIDEO_SIZE, S.VIDEO_SIZE, 3) and scene.video.dtype == np.uint8
-    # load_media's default sizing leaves the generated frames and images as they are
-    assert target_size(S.VIDEO_SIZE, S.VIDEO_SIZE, *pixel_bounds("video", S.FRAMES)) == (S.VIDEO_SIZE,) * 2
-    assert target_size(S.IMAGE_SIZE, S.IMAGE_SIZE, *pixel_bounds("images")) == (S.IMAGE_SIZE,) * 2
+    # at the trained demo's frame size load_media leaves the generated frames and images as they are
+    assert target_size(S.VIDEO_SIZE, S.VIDEO_SIZE, *pixel_bounds("video", S.FRAMES, max_pixels=demo)) == (112, 112)
+    assert target_size(S.IMAGE_SIZE, S.IMAGE_SIZE, *pixel_bounds("images", max_pixels=demo)) == (112, 112)
+    # 16 visual tokens per frame pair (a 4 x 4 grid of 28-pixel tokens), 512 per clip
+    assert (S.VIDEO_SIZE // S.CELL) ** 2 * S.FRAMES // 2 == 512
     with pytest.raises(ValueError):
         S.make_scene(np.random.default_rng(0), 24)
 
@@ -59,16 +62,21 @@ def test_needle_answers_sit_in_at_most_two_frames():
         assert {qa.kind for qa in needles} == {"needle_colour", "needle_digit"}
         frames = sc.shown["star"]
         assert 1 <= len(frames) <= 2 and all(qa.evidence == frames for qa in needles)
-        # the star's pixels (its colour, on top of everything) appear exactly in those frames:
-        # compare with the nearest frame of the same scoreboard segment without the star
+        # the star's pixels (its colour, drawn on top of everything) are in those frames only
         colour = next(qa.answer for qa in needles if qa.kind == "needle_colour")
-        seg = S.FRAMES // S.SEGMENTS
-        f = frames[0]
-        others = [g for g in range(f // seg * seg, (f // seg + 1) * seg) if g not in frames]
-        g = min(others, key=lambda x: abs(x - f))
-        changed = np.any(sc.video[f] != sc.video[g], axis=-1)
-        star = changed & np.all(sc.video[f] == S.COLOURS[colour], axis=-1)
-        assert star.sum() >= 0.3 * S.SIZE_RANGE[0] ** 2 * 0.4
+        label = S.object_label("star", colour)
+        per_frame = (sc.label_maps[0] == label).sum(axis=(1, 2))
+        assert set(np.nonzero(per_frame)[0]) == set(frames) and per_frame.min() == 0
+        assert per_frame[list(frames)].min() >= 0.2 * S.SIZE_RANGE[0] ** 2  # a five-pointed star fills ~27%
+        assert all(np.all(sc.video[f][sc.label_maps[0][f] == label] == S.COLOURS[colour]) for f in frames)
+
+
+def test_held_out_needle_stars_share_their_cell_with_nothing():
+    # a two-frame star drawn over a shape of its own colour would be invisible
+    items = S.held_out(quota={"needle_colour": 8, "needle_digit": 8})
+    assert all(S.star_in_the_clear(it.scene) for it in items)
+    crowded = [S.make_scene(np.random.default_rng([7, i]), needle=True) for i in range(60)]
+    assert not all(S.star_in_the_clear(sc) for sc in crowded)  # the check can fail
 
 
 def test_digit_answer_is_the_scoreboard_digit_while_the_star_shows():
@@ -122,7 +130,9 @@ def test_make_video_tasks_writes_files_and_manifest(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "tasks.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["needle_colour", "which_image"]
     assert set(rows[0]) == {"id", "media", "question", "answer", "needle", "kind"}
-    video = load_media(str(tmp_path / rows[0]["media"]))
+    needle = [json.loads(line) for line in (tmp_path / "needle.jsonl").read_text().splitlines()]
+    assert needle == rows[:1]
+    video = load_media(str(tmp_path / rows[0]["media"]), max_pixels=S.VIDEO_SIZE ** 2)  # the trained demo's size
     assert video.frames_used == S.FRAMES and video.size == (S.VIDEO_SIZE, S.VIDEO_SIZE)
     assert abs(video.sample_fps - S.VIDEO_FPS) < 0.1
     images = load_media([str(tmp_path / p) for p in rows[1]["media"]])
