@@ -50,7 +50,8 @@ def render(result: dict, console: Console) -> None:
     if inp["kind"] != "text":
         table.add_row("input", f"{inp['label']}  ({inp['frames_used']} {'frames' if inp['kind'] == 'video' else 'images'})")
     table.add_row("prompt", prompt_tokens(inp))
-    table.add_row("method", f"{result['method']}  budget {result['budget']:g}")
+    deferred = "  (question read after compression)" if result.get("defer_question") else ""
+    table.add_row("method", f"{result['method']}  budget {result['budget']:g}{deferred}")
     table.add_row("prefill", f"{result['prefill_s']:.3f} s")
     if dec["ms_per_token_mean"] is not None:
         table.add_row(

@@ -168,6 +168,15 @@ def test_json_in_process(clip, capsys):
     assert record["question"] == "What\nhappens?" and err == ""
 
 
+def test_defer_question_reaches_the_record_and_the_report(clip, capsys):
+    assert cli.run(["ask", str(clip), "What happens?", "--json", "--quiet", "--defer-question", *FAST]) == 0
+    record = json.loads(capsys.readouterr().out)
+    check_schema(record)
+    assert record["defer_question"] is True and record["decode"]["tokens"] >= 1
+    assert cli.run(["ask", str(clip), "What happens?", "--quiet", "--defer-question", *FAST]) == 0
+    assert "question read after compression" in capsys.readouterr().out
+
+
 def test_out_of_memory_single_input(clip, capsys, monkeypatch):
     def oom(*a, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
