@@ -202,6 +202,7 @@ def run_bench(loaded, tasks: list[Task], methods: list[str], budgets: list[float
     from hybridkv_cli.pipeline import Progress, check_context, error_record
     from hybridkv_cli.report import DEMO_NOTE
 
+    pixels = max_pixels_for(loaded.name, max_pixels)  # the model's own frame size unless given
     with_media = next((t for t in tasks if t.media), None)
     if with_media is not None:
         loaded.refuse_media(with_media.id)
@@ -222,8 +223,7 @@ def run_bench(loaded, tasks: list[Task], methods: list[str], budgets: list[float
     with progress:
         for task in tasks:
             try:
-                media = (load_media(list(task.media), frames=frames, fps=fps,
-                                    max_pixels=max_pixels_for(loaded.name, max_pixels))
+                media = (load_media(list(task.media), frames=frames, fps=fps, max_pixels=pixels)
                          if task.media else None)
                 check_context(loaded, media, task.question, max_new_tokens, source=task.id, context=task.context)
             except Exception as e:

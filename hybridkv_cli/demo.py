@@ -479,10 +479,15 @@ def trained_weights_path() -> Path:
     return Path(__file__).resolve().parent / TRAINED_WEIGHTS
 
 
+def serves_trained(name: str) -> bool:
+    """Whether model ``name`` is the trained demo: ``demo`` while its weights ship."""
+    return name == DEMO_NAME and trained_weights_path().is_file()
+
+
 def load_demo(name: str, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """``demo``: the trained demo when its weights ship with the package, else the random one;
     ``demo-random``: the random one (see :data:`hybridkv_cli.models.DEMO_NAMES`)."""
-    if name == DEMO_NAME and trained_weights_path().is_file():
+    if serves_trained(name):
         return build_trained_demo(device=device, dtype=dtype)
     loaded = build_demo(device=device, dtype=dtype)
     loaded.name = name

@@ -13,6 +13,13 @@ from hybridkv_cli.compression.cache import PolicyCache, use_policy_attention
 from hybridkv_cli.prompt import Prompt
 
 
+def now(device: torch.device) -> float:
+    """Wall clock after the device's queued work (CUDA kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class StepClock(BaseStreamer):
     """Timestamps every token ``generate`` emits (the first put is the prompt itself)."""
 
@@ -26,9 +33,7 @@ class StepClock(BaseStreamer):
         if not self._prompt_seen:
             self._prompt_seen = True
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.stamps.append(time.perf_counter())
+        self.stamps.append(now(self.device))
         if len(self.stamps) == 1 and self.on_first_token is not None:
             self.on_first_token()
 
@@ -67,81 +72,61 @@ def generate(model, prompt: Prompt, policy: Policy, max_new_tokens: int = 128,
     The device-byte count after prefill is read when the first token arrives (deferred: when
     the prefix is compressed), before any later token is appended.
     """
-    if defer_question and question_length(prompt):
-        return _generate_deferred(model, prompt, policy, max_new_tokens)
     use_policy_attention(model)
     device = model.device
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
-    cache = PolicyCache(policy, model.config.get_text_config().num_hidden_layers, prompt.visual)
-    after_prefill: list[int] = []
-    clock = StepClock(device, on_first_token=lambda: after_prefill.append(cache.device_bytes()))
+    cut = prompt.length - (question_length(prompt) if defer_question else 0)
+    cache = PolicyCache(policy, model.config.get_text_config().num_hidden_layers, prompt.visual[:cut])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
     with torch.inference_mode(), cache.active():
-        out = model.generate(
-            **inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
-            streamer=clock, use_cache=True,
-        )
-    new = out[0, prompt.length:].tolist()
-    stamps = [start, *clock.stamps]
+        decode = _decode if cut == prompt.length else _decode_after
+        tokens, stamps, after_prefill = decode(model, inputs, cut, cache, max_new_tokens)
+    stamps = [start, *stamps]
     return Generation(
-        tokens=new,
+        tokens=tokens,
         prefill_s=stamps[1] - stamps[0] if len(stamps) > 1 else 0.0,
         step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
         cache=cache,
-        device_bytes_after_prefill=after_prefill[0] if after_prefill else cache.device_bytes(),
+        device_bytes_after_prefill=cache.device_bytes() if after_prefill is None else after_prefill,
         cuda_peak_bytes=torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None,
     )
 
 
-def _generate_deferred(model, prompt: Prompt, policy: Policy, max_new_tokens: int) -> Generation:
-    """:func:`generate` with the question fed after compression (a greedy loop of its own:
-    ``model.generate`` prefills the whole prompt at once)."""
-    use_policy_attention(model)
+def _decode(model, inputs: dict, cut: int, cache: PolicyCache, max_new_tokens: int):
+    """``model.generate`` over the whole prompt: (new tokens, a stamp per token, device bytes
+    when the first token arrived)."""
+    after_prefill: list[int] = []
+    clock = StepClock(model.device, on_first_token=lambda: after_prefill.append(cache.device_bytes()))
+    out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                         streamer=clock, use_cache=True)
+    return out[0, cut:].tolist(), clock.stamps, after_prefill[0] if after_prefill else None
+
+
+def _decode_after(model, inputs: dict, cut: int, cache: PolicyCache, max_new_tokens: int):
+    """Prefill the first ``cut`` prompt tokens, then feed the rest one per step and decode
+    greedily (``model.generate`` would prefill them all at once). Same returns as :func:`_decode`."""
     device = model.device
-    cut = prompt.length - question_length(prompt)
-    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
     ids = inputs["input_ids"]
     prefix = {k: v[:, :cut] if torch.is_tensor(v) and v.shape == ids.shape and not v.is_floating_point() else v
               for k, v in inputs.items()}  # the per-token tensors: ids, attention mask, token types
-    cache = PolicyCache(policy, model.config.get_text_config().num_hidden_layers, prompt.visual[:cut])
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
 
     def step(**kw) -> int:
         return int(model(**kw, cache=cache, use_cache=True).logits[0, -1].argmax())
 
-    def stamp() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    tokens: list[int] = []
-    stamps = [stamp()]
-    with torch.inference_mode(), cache.active():
-        step(**prefix)
-        after_prefill = cache.device_bytes()
-        for token in ids[0, cut:]:
-            nxt = step(input_ids=token.view(1, 1))
-        stamps.append(stamp())
-        while True:
-            tokens.append(nxt)
-            if nxt in eos or len(tokens) >= max_new_tokens:
-                break
-            nxt = step(input_ids=torch.tensor([[nxt]], device=device))
-            stamps.append(stamp())
-    return Generation(
-        tokens=tokens,
-        prefill_s=stamps[1] - stamps[0],
-        step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
-        cache=cache,
-        device_bytes_after_prefill=after_prefill,
-        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None,
-    )
+    step(**prefix)
+    after_prefill = cache.device_bytes()
+    for token in ids[0, cut:]:
+        nxt = step(input_ids=token.view(1, 1))
+    tokens, stamps = [], [now(device)]
+    while True:
+        tokens.append(nxt)
+        if nxt in eos or len(tokens) >= max_new_tokens:
+            return tokens, stamps, after_prefill
+        nxt = step(input_ids=torch.tensor([[nxt]], device=device))
+        stamps.append(now(device))

@@ -227,9 +227,9 @@ def max_pixels_for(name: str, max_pixels: int | None) -> int | None:
     learned on 112 x 112 frames, which Qwen's video minimum would upscale 3x; None (Qwen's own
     bounds) for every other model."""
     if max_pixels is None and name == DEMO_NAME:
-        from .demo import TRAINED_MAX_PIXELS, trained_weights_path
+        from .demo import TRAINED_MAX_PIXELS, serves_trained
 
-        return TRAINED_MAX_PIXELS if trained_weights_path().is_file() else None
+        return TRAINED_MAX_PIXELS if serves_trained(name) else None
     return max_pixels
 
 

@@ -6,7 +6,8 @@
 TASKS is a ``tasks.jsonl`` file or the folder holding it. Every row goes the way a user's question
 goes: ``load_media`` decodes the files (64 frames of the mp4, or the PNG image set) and
 ``hybridkv_cli.api.ask`` answers greedily. An answer is right when it equals the expected one after
-normalisation (case, surrounding spaces and a final full stop). Prints overall, needle and per-kind
+``hybridkv bench``'s normalisation (case, whitespace, punctuation at the ends): exact match, where
+the bench counts an answer contained in the output. Prints overall, needle and per-kind
 accuracy; exits 0.
 """
 
@@ -22,12 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hybridkv_cli.api import ask  # noqa: E402
+from hybridkv_cli.bench import normalise  # noqa: E402
 from hybridkv_cli.media import load_media  # noqa: E402
 from hybridkv_cli.models import load_model, max_pixels_for  # noqa: E402
-
-
-def normalise(answer: str) -> str:
-    return answer.strip().rstrip(".").strip().lower()
 
 
 def read_manifest(path: Path) -> tuple[Path, list[dict]]:

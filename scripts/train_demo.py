@@ -140,10 +140,10 @@ def frame_targets(per_scene: list[torch.Tensor], per_patch: int, video: bool):
     if not video:
         return None, None
     digits, counts = [], []
+    square = torch.tensor([S.object_label("square", c) for c in S.COLOURS])
     for labels in per_scene:
         patches = labels.view(-1, per_patch)
         digit = patches[:, 0] - S.digit_label(0)  # the scoreboard is the top-left token
-        square = torch.tensor([S.object_label("square", c) for c in S.COLOURS])
         count = torch.isin(patches, square).sum(1).clamp(max=3)
         digits.append(digit.repeat_interleave(per_patch))
         counts.append(count.repeat_interleave(per_patch))
@@ -370,6 +370,7 @@ def main(argv=None) -> int:
     for step in range(args.steps):
         rng = np.random.default_rng([args.seed, step])
         scenes = [sc for sc in draw_batch(rng, step / args.steps) if sc.qas]
+        qas = [qa for sc in scenes for qa in sc.qas]  # one row each, in encode's order
         inputs, suffix, labels, owner, key_index = encode(processor, [to_media(sc, rng) for sc in scenes],
                                                           [sc.qas for sc in scenes])
         per_scene = [token_labels(sc.label_maps) for sc in scenes]
@@ -379,21 +380,21 @@ def main(argv=None) -> int:
         digit_t, count_t = frame_targets(per_scene, per_patch, scenes[0].video is not None)
         visual = inputs["mm_token_type_ids"] != 0
         evidence = torch.zeros(len(owner), visual.shape[1], dtype=torch.bool)
-        for r, qa in enumerate(qa for sc in scenes for qa in sc.qas):
+        for r, qa in enumerate(qas):
             b = int(owner[r])
             evidence[r, visual[b]] = evidence_tokens(qa, per_scene[b], per_patch)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             picture = picture_targets(inputs["input_ids"], processor.tokenizer) if scenes[0].video is None else None
-            qa_loss, hits, tokens, mass, retrieved = scene_loss(model, inputs, suffix, labels, owner, evidence, key_index,
-                                                     picture)
+            qa_loss, hits, tokens, mass, retrieved = scene_loss(model, inputs, suffix, labels, owner, evidence,
+                                                                key_index, picture)
             out = aux_head(tokens).float()
             aux = torch.nn.functional.cross_entropy(out[:, :S.N_LABELS], targets, weight=aux_weight)
             if digit_t is not None:
                 aux = aux + torch.nn.functional.cross_entropy(out[:, S.N_LABELS:S.N_LABELS + 10], digit_t) \
                     + torch.nn.functional.cross_entropy(out[:, S.N_LABELS + 10:], count_t)
-            answers = torch.tensor([answer_list.index(qa.answer) for sc in scenes for qa in sc.qas])
+            answers = torch.tensor([answer_list.index(qa.answer) for qa in qas])
             probe_loss = torch.nn.functional.cross_entropy(probe(retrieved).float(), answers)
         has = evidence.any(1)
         guide = sum(-torch.log(m + 1e-4).mean() for m in (mass["evidence"][has], mass["word"], mass.get("picture"))
@@ -408,7 +409,7 @@ def main(argv=None) -> int:
         stats["word"].append(mass["word"].mean().item())
         if "picture" in mass:
             stats["picture"].append(mass["picture"].mean().item())
-        for qa, h, m in zip((qa for sc in scenes for qa in sc.qas), hits.tolist(), mass["evidence"].tolist()):
+        for qa, h, m in zip(qas, hits.tolist(), mass["evidence"].tolist()):
             per_kind.setdefault(qa.kind, []).append(h)
             kind_mass.setdefault(qa.kind, []).append(m)
             stats["acc"].append(h)
