@@ -43,7 +43,8 @@ def test_nearest_power_of_two():
 def plan(static, n=1000, budget=0.1, window=32, share=0.75, chunk=8, alpha=0.2, seed=0):
     g = torch.Generator().manual_seed(seed)
     pooled = torch.rand(len(static), n, generator=g)
-    return plan_layer(pooled, torch.tensor(static), budget=budget, window=window, share=share, chunk=chunk, alpha=alpha)
+    return plan_layer(pooled, torch.tensor(static), target=round(budget * n * len(static)), window=window, share=share,
+                      chunk=chunk, alpha=alpha)
 
 
 @pytest.mark.parametrize("static", [[True, False, True, False], [True, True, False, True], [False] * 4, [True] * 4])

@@ -3,7 +3,8 @@
 import torch
 
 from hybridkv_cli.compression.hybridkv import HybridLayerKV
-from hybridkv_cli.compression.retrieval import DynamicHeads, quantize_landmarks
+from hybridkv_cli.compression.landmarks import quantize_landmarks
+from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_cli.compression.store import RaggedStore
 
 CHUNK, WINDOW = 8, 16

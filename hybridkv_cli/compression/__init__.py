@@ -32,6 +32,8 @@ def make_policy(name: str, **options) -> Policy:
 
 
 # Importing the method modules registers them.
-from hybridkv_cli.compression import full, hybridkv, lookm, madakv, quest, snapkv, sparsemm, streamingllm  # noqa: E402,F401
+from hybridkv_cli.compression import (  # noqa: E402,F401
+    full, hybridkv, lookm, madakv, quest, rcr, snapkv, sparsemm, streamingllm,
+)
 
 __all__ = ["METHODS", "LayerKV", "Policy", "PrefillLayer", "make_policy", "register"]

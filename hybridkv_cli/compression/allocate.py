@@ -70,23 +70,25 @@ def plan_layer(
     pooled: torch.Tensor,
     static: torch.Tensor,
     *,
-    budget: float,
+    target: int,
     window: int,
     share: float,
     chunk: int,
     alpha: float,
+    adaptive: bool = True,
 ) -> LayerPlan:
-    """Split the layer budget ``b·N·H`` between head types, then between heads.
+    """Split the layer's ``target`` entries (``b·N·H`` less side structures) between head types,
+    then between heads.
 
-    Dynamic heads each get ``r·B̄`` (type total clipped to ``H·B̄``; all of ``B̄`` when the layer has
-    no static head) as whole retrieval chunks, the chunk count rounded to the nearest power of
-    two (down, where rounding up would overrun the layer budget); static heads share the remainder
-    adaptively. What one type cannot use (more than N
-    per head) goes to the other type, so at b = 1 every head holds the whole prompt.
+    Dynamic heads each get ``r·B̄`` (B̄ = target / H; type total clipped to ``target``; all of
+    ``B̄`` when the layer has no static head) as whole retrieval chunks, the chunk count rounded
+    to the nearest power of two (down, where rounding up would overrun the layer budget); static
+    heads share the remainder adaptively (``adaptive``) or evenly (refreshed heads re-select
+    while decoding, so a prefill-time ranking of heads means little). What one type cannot use
+    (more than N per head) goes to the other type, so at b = 1 every head holds the whole prompt.
     """
     heads, n = pooled.shape
-    avg = budget * n
-    target = round(avg * heads)
+    avg = target / heads
     n_dyn = int((~static).sum())
     n_stat = heads - n_dyn
     num_chunks = max(0, n - window) // chunk
@@ -98,12 +100,16 @@ def plan_layer(
         per_dyn = avg if n_stat == 0 else min(share * avg * n_dyn, heads * avg) / n_dyn
         wanted = (per_dyn - tail) / chunk
         chunks = min(num_chunks, nearest_power_of_two(wanted))
-        if n_dyn * (chunks * chunk + tail) > target and chunks > 1:
-            # Rounding up would overrun the whole layer budget: round down instead.
-            chunks = min(chunks, 2 ** math.floor(math.log2(max(wanted, 1))))
+        if n_dyn * (chunks * chunk + tail) > target:
+            # Rounding up would overrun the whole layer budget: round down instead, to none if
+            # even one chunk does not fit (the caller then has no use for retrieval).
+            chunks = min(chunks, 2 ** math.floor(math.log2(wanted)) if wanted >= 1 else 0)
+            if n_dyn * (chunks * chunk + tail) > target:
+                chunks = 0
     static_total = target - n_dyn * (chunks * chunk + tail)
     if n_stat:
-        entries[static] = adaptive_split(pooled[static], static_total, alpha)
+        even = torch.full((n_stat,), min(n, max(0, static_total) // n_stat), dtype=torch.long, device=pooled.device)
+        entries[static] = adaptive_split(pooled[static], static_total, alpha) if adaptive else even
     if n_dyn:
         unused = target - n_dyn * (chunks * chunk + tail) - int(entries[static].sum())
         if unused >= n_dyn * chunk:  # static heads are full (or absent): the rest becomes chunks

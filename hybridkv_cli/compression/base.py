@@ -8,6 +8,8 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from hybridkv_cli.errors import UsageError
+
 
 @dataclass
 class PrefillLayer:
@@ -28,6 +30,9 @@ class PrefillLayer:
         prompts True marks the context and False the question and chat template.
     scale : float
         Softmax scale of the attention.
+    run : dict
+        Scratch space shared by the layers of one generation (e.g. a refresh controller whose
+        threshold all layers update); a fresh dict per generation.
     """
 
     index: int
@@ -37,6 +42,7 @@ class PrefillLayer:
     values: torch.Tensor
     visual: torch.Tensor
     scale: float
+    run: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_heads(self) -> int:
@@ -87,3 +93,9 @@ class Policy:
     @classmethod
     def options(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def check_choice(option: str, value: str, choices) -> None:
+    """Refuse an option value that is not one of ``choices`` (a usage error naming the flag)."""
+    if value not in choices:
+        raise UsageError(f"{option} must be one of {', '.join(choices)}, got '{value}'", "--" + option.replace("_", "-"))

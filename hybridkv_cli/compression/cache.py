@@ -82,6 +82,7 @@ class PolicyCache(Cache):
         super().__init__(layers=[PolicyLayer() for _ in range(num_layers)])
         self.policy = policy
         self.visual = visual
+        self.run: dict = {}  # what the policy shares between the layers of this generation
         self.prefill_peak_bytes = 0
         self.compress_seconds = 0.0  # classification, allocation, pruning, offload: all of compress()
         self.attention_seconds = 0.0  # decode attention incl. retrieval (host clock: exact on CPU only)
@@ -99,6 +100,7 @@ class PolicyCache(Cache):
             values=value[0],
             visual=self.visual.to(key.device),
             scale=scale,
+            run=self.run,
         )
         self.layers[index].kv = self.policy.compress(prefill)
         # Peak while prefilling: this layer's full KV beside the layers compressed before it.

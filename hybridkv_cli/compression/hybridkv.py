@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.allocate import LayerPlan, plan_layer
-from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.base import Policy, PrefillLayer, check_choice
+from hybridkv_cli.compression.budget import budget_entries, fit_window
 from hybridkv_cli.compression.classify import classify_static
+from hybridkv_cli.compression.landmarks import LANDMARKS
+from hybridkv_cli.compression.refresh import (
+    REFRESH_KINDS, RateController, Refresher, RefreshOptions, refresh_summary,
+)
 from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_cli.compression.static_prune import text_prior_keep
 from hybridkv_cli.compression.store import RaggedStore
@@ -18,27 +24,34 @@ from hybridkv_kernels import window_scores
 
 @dataclass
 class HybridLayerKV:
-    """A layer's ragged store plus, when the layer has dynamic heads, their retrieval state."""
+    """A layer's ragged store plus the retrieval state of its dynamic heads and the refresh
+    state of its static heads (each None when the layer has none)."""
 
     store: RaggedStore
     dynamic: DynamicHeads | None
+    refresher: Refresher | None = None
+
+    def _parts(self):
+        return [p for p in (self.dynamic, self.refresher) if p is not None]
 
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         if self.dynamic is not None:
             self.dynamic.refresh(query, self.store)
+        if self.refresher is not None:
+            self.refresher.refresh(query, self.store, scale)
         return self.store.attend(query, scale)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self.store.append(key, value)
 
     def device_bytes(self) -> int:
-        return self.store.device_bytes() + (self.dynamic.device_bytes() if self.dynamic else 0)
+        return self.store.device_bytes() + sum(p.device_bytes() for p in self._parts())
 
     def host_bytes(self) -> int:
-        return self.dynamic.host_bytes() if self.dynamic else 0
+        return sum(p.host_bytes() for p in self._parts())
 
     def transferred_bytes(self) -> int:
-        return self.dynamic.transferred if self.dynamic else 0
+        return sum(p.transferred_bytes() for p in self._parts())
 
 
 @dataclass
@@ -48,6 +61,9 @@ class LayerRecord:
     sparsity: list[float]
     plan: LayerPlan
     length: int
+    window: int
+    refresher: Refresher | None
+    fallback: bool  # dynamic heads made static: the budget could not pay for a retrieval chunk
 
 
 @register("hybridkv")
@@ -61,46 +77,107 @@ class HybridKV(Policy):
         Heads whose sparsity score is >= theta are static.
     sparsity_topk : float
         p: the sparsity score is the attention mass on the top ``ceil(p·N)`` positions.
+    sink_aware : bool
+        Score without the first tokens (attention sinks), so sink-parked heads are not static.
     share : float
         r: a dynamic head's budget as a share of the average head budget.
     chunk_size : int
         Tokens per retrieval chunk.
     alpha : float
         Floor of a static head's budget, as a share of the static average (Ada-KV safeguard).
+    landmark : {"mean", "minmax", "detector"}
+        How dynamic heads rank their chunks (:mod:`~hybridkv_cli.compression.landmarks`).
+    refresh : {"none", "rcr", "periodic"}
+        Refresh of static heads while decoding (:mod:`~hybridkv_cli.compression.refresh`);
+        refreshed static heads share their budget evenly.
+    refresh_rate : float
+        ρ, the share of layer-steps that refresh (``rcr``).
+    refresh_period : int
+        T (``periodic``).
     """
 
     budget: float = 0.1
     theta: float = 0.9
     sparsity_topk: float = 0.05
+    sink_aware: bool = False
     share: float = 0.75
     chunk_size: int = 8
     alpha: float = 0.2
+    landmark: str = "mean"
+    refresh: str = "none"
+    refresh_rate: float = 0.4
+    refresh_period: int = 3
     records: dict[int, LayerRecord] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        check_choice("landmark", self.landmark, LANDMARKS)
+        check_choice("refresh", self.refresh, REFRESH_KINDS)
+
+    def _overhead(self, layer: PrefillLayer, static: torch.Tensor, window: int) -> int:
+        """Device bytes of landmarks, detectors and indices (upper bounds), paid from the budget."""
+        n, dim = layer.length, layer.keys.shape[-1]
+        avg = self.budget * n
+        n_stat = int(static.sum())
+        n_dyn = layer.num_heads - n_stat
+        num_chunks = max(0, n - window) // self.chunk_size
+        out = DynamicHeads.device_bytes_for(n_dyn, math.ceil(avg / self.chunk_size), self.chunk_size, num_chunks,
+                                            dim, self.landmark) if n_dyn else 0
+        if self.refresh != "none" and n_stat:
+            out += Refresher.device_bytes_for(n_stat, math.ceil(avg), n, dim, RefreshOptions().rank)
+        return out
+
+    def _plan(self, layer: PrefillLayer, pooled: torch.Tensor, static: torch.Tensor, refreshed: bool):
+        """The layer's allocation and window after paying for side structures."""
+        n = layer.length
+        if self.budget >= 1:  # everything stays: nothing to retrieve, nothing to pay for
+            target, window = n * layer.num_heads, min(self.window, n)
+        else:
+            overhead = self._overhead(layer, static, fit_window(self.window, self.budget * n))
+            target = budget_entries(self.budget, layer, overhead)
+            window = fit_window(self.window, target / layer.num_heads)
+        plan = plan_layer(pooled, static, target=target, window=window, share=self.share,
+                          chunk=self.chunk_size, alpha=self.alpha, adaptive=not refreshed)
+        return plan, window
 
     def compress(self, layer: PrefillLayer) -> HybridLayerKV:
         n = layer.length
-        window = min(self.window, n)
-        attn, pooled = window_scores(layer.window_query(window), layer.keys, scale=layer.scale)
-        static, sparsity = classify_static(attn, self.theta, self.sparsity_topk)
-        plan = plan_layer(pooled, static, budget=self.budget, window=window, share=self.share,
-                          chunk=self.chunk_size, alpha=self.alpha)
-        self.records[layer.index] = LayerRecord(sparsity.tolist(), plan, n)
+        attn, pooled = window_scores(layer.window_query(min(self.window, n)), layer.keys, scale=layer.scale)
+        static, sparsity = classify_static(attn, self.theta, self.sparsity_topk, self.sink_aware)
+        refresh_on = self.refresh != "none" and self.budget < 1
+        plan, window = self._plan(layer, pooled, static, refresh_on)
+        fallback = bool((~static).any()) and plan.chunks == 0
+        if fallback:  # the budget cannot pay for one retrieval chunk: prune every head once
+            static = torch.ones_like(static)
+            plan, window = self._plan(layer, pooled, static, refresh_on)
 
         dynamic = ~static
         num_chunks = max(0, n - window) // self.chunk_size
-        slot_rows = plan.chunks * self.chunk_size
+        slots = torch.where(static, plan.entries - window, 0).clamp_min(0)
+        refreshed = static & refresh_on & (slots > 0) & (slots < n - window)
         keep = torch.zeros_like(pooled, dtype=torch.bool)
-        keep[static] = text_prior_keep(pooled[static], layer.visual, window, plan.entries[static])
+        fixed = static & ~refreshed
+        keep[fixed] = text_prior_keep(pooled[fixed], layer.visual, window, plan.entries[fixed])
         keep[dynamic, num_chunks * self.chunk_size:] = True  # the resident tail of dynamic heads
-        reserve = torch.where(dynamic, slot_rows, 0)
+        keep[refreshed, n - window:] = True  # the window of refreshed heads, after their slots
+        reserve = torch.where(dynamic, plan.chunks * self.chunk_size, 0) + torch.where(refreshed, slots, 0)
         store = RaggedStore.build(layer.keys, layer.values, keep, reserve)
         retrieval = None
         if dynamic.any():
             retrieval = DynamicHeads.offload(
                 layer.keys, layer.values, dynamic.nonzero().flatten(), store,
-                chunks=plan.chunks, chunk=self.chunk_size, num_chunks=num_chunks,
+                chunks=plan.chunks, chunk=self.chunk_size, num_chunks=num_chunks, landmark=self.landmark,
             )
-        return HybridLayerKV(store, retrieval)
+        refresher = None
+        if refreshed.any():
+            heads = refreshed.nonzero().flatten()
+            span = n - window
+            first = text_prior_keep(pooled[heads, :span], layer.visual[:span], 0, slots[heads])
+            selection = first.float().topk(int(slots[heads[0]]), dim=1).indices
+            options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period)
+            controller = layer.run.setdefault("refresh", RateController(options, layer.keys.device))
+            refresher = Refresher.offload(layer.keys, layer.values, heads, store, selection, options, controller)
+        self.records[layer.index] = LayerRecord(sparsity.tolist(), plan, n, window, refresher, fallback)
+        return HybridLayerKV(store, retrieval, refresher)
 
     def summary(self) -> dict:
         layers = [self.records[i] for i in sorted(self.records)]
@@ -136,4 +213,9 @@ class HybridKV(Policy):
             "p": self.sparsity_topk,
             "r": self.share,
             "chunk_size": self.chunk_size,
+            "window": [r.window for r in layers],
+            "retrieval_fallback_layers": sum(r.fallback for r in layers),
+            "landmark": self.landmark,
+            "sink_aware": self.sink_aware,
+            "refresh": refresh_summary(self.refresh, self.refresh_rate, [r.refresher for r in layers]),
         }

@@ -16,27 +16,10 @@ import torch
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.landmarks import page_bounds
 from hybridkv_cli.compression.scoring import head_entries
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes
 from hybridkv_kernels import ragged_decode_attention
-
-
-def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Quest's upper bound per page: ``max_g sum_d max(q·kmin, q·kmax)``, [H, P] fp32.
-
-    Uses ``max(a, b) = (a + b)/2 + |a - b|/2`` with ``kmax >= kmin``, i.e.
-    ``(q·(kmin + kmax) + |q|·(kmax - kmin)) / 2``: two matmuls instead of an [H, G, P, d] tensor.
-
-    Parameters
-    ----------
-    query : Tensor [H, G, d]
-    kmin, kmax : Tensor [H, P, d]
-        Element-wise minimum and maximum of the keys of each page.
-    """
-    q = query.float()
-    lo, hi = kmin.float(), kmax.float()
-    bound = torch.bmm(q, (lo + hi).transpose(1, 2)) + torch.bmm(q.abs(), (hi - lo).transpose(1, 2))
-    return bound.amax(dim=1) * 0.5
 
 
 @dataclass

@@ -1,0 +1,127 @@
+"""How dynamic heads rank their offloaded chunks at each decode step: one scorer per landmark kind.
+
+Every scorer keeps a small per-chunk summary on the device and returns the ``n`` best chunk ids
+for a query; they differ in how sharply one strongly matching token inside a chunk shows:
+
+* ``mean``: the chunk's mean post-RoPE key, int8 with a per-chunk scale; score = max over the
+  query group of ``q·landmark`` (the fused ``chunk_topk`` kernel). A single matching key is
+  diluted c-fold by the other keys of its chunk.
+* ``minmax``: element-wise min and max of the chunk's keys (Quest), int8; score = the upper
+  bound ``sum_d max(q_d·min_d, q_d·max_d)`` of any key's logit in the chunk. Twice the bytes.
+* ``detector``: the low-rank keys of every token (:class:`LowRankKeys`); score = the chunk's
+  best token. About the bytes of ``mean`` at c = 8 and R = 8, resolved to single tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv_cli.compression.detector import LowRankKeys
+from hybridkv_cli.compression.store import tensor_bytes
+from hybridkv_kernels import chunk_topk
+
+DETECTOR_RANK = 8
+
+
+def quantize_landmarks(landmarks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per chunk: ``landmarks ≈ q * scale``. Returns ``(q [.., C, d], scale [.., C])``."""
+    scale = landmarks.float().abs().amax(dim=-1).clamp_min(1e-12) / 127.0
+    q = torch.round(landmarks.float() / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound per page: ``max_g sum_d max(q·kmin, q·kmax)``, [H, P] fp32.
+
+    Uses ``max(a, b) = (a + b)/2 + |a - b|/2`` with ``kmax >= kmin``, i.e.
+    ``(q·(kmin + kmax) + |q|·(kmax - kmin)) / 2``: two matmuls instead of an [H, G, P, d] tensor.
+
+    Parameters
+    ----------
+    query : Tensor [H, G, d]
+    kmin, kmax : Tensor [H, P, d]
+        Element-wise minimum and maximum of the keys of each page.
+    """
+    q = query.float()
+    lo, hi = kmin.float(), kmax.float()
+    bound = torch.bmm(q, (lo + hi).transpose(1, 2)) + torch.bmm(q.abs(), (hi - lo).transpose(1, 2))
+    return bound.amax(dim=1) * 0.5
+
+
+
+def top_ids(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` best chunk ids per head [H, n], ascending."""
+    return scores.topk(min(n, scores.shape[1]), dim=1).indices.sort(dim=1).values
+
+
+@dataclass
+class MeanLandmarks:
+    codes: torch.Tensor  # int8 [H, C, d]
+    scale: torch.Tensor  # [H, C]
+
+    @classmethod
+    def build(cls, chunks: torch.Tensor) -> "MeanLandmarks":
+        return cls(*quantize_landmarks(chunks.float().mean(dim=2)))
+
+    @staticmethod
+    def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
+        return heads * num_chunks * (dim + 4)
+
+    def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
+        return chunk_topk(query, self.codes, n, landmark_scale=self.scale)
+
+    def device_bytes(self) -> int:
+        return tensor_bytes(self.codes, self.scale)
+
+
+@dataclass
+class MinMaxLandmarks:
+    low: torch.Tensor  # int8 [H, C, d]
+    high: torch.Tensor
+    low_scale: torch.Tensor  # [H, C]
+    high_scale: torch.Tensor
+
+    @classmethod
+    def build(cls, chunks: torch.Tensor) -> "MinMaxLandmarks":
+        low, low_scale = quantize_landmarks(chunks.float().amin(dim=2))
+        high, high_scale = quantize_landmarks(chunks.float().amax(dim=2))
+        return cls(low, high, low_scale, high_scale)
+
+    @staticmethod
+    def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
+        return 2 * heads * num_chunks * (dim + 4)
+
+    def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
+        low = self.low.float() * self.low_scale[..., None]
+        high = self.high.float() * self.high_scale[..., None]
+        return top_ids(page_bounds(query, low, high), n)
+
+    def device_bytes(self) -> int:
+        return tensor_bytes(self.low, self.high, self.low_scale, self.high_scale)
+
+
+@dataclass
+class TokenDetector:
+    keys: LowRankKeys
+    chunk: int
+
+    @classmethod
+    def build(cls, chunks: torch.Tensor) -> "TokenDetector":
+        heads, num_chunks, chunk, dim = chunks.shape
+        return cls(LowRankKeys.build(chunks.reshape(heads, num_chunks * chunk, dim), DETECTOR_RANK), chunk)
+
+    @staticmethod
+    def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
+        return LowRankKeys.bytes_for(heads, num_chunks * chunk, dim, DETECTOR_RANK)
+
+    def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
+        best = self.keys.logits(query).amax(dim=1)  # [H, C*c]
+        return top_ids(best.unflatten(1, (-1, self.chunk)).amax(dim=2), n)
+
+    def device_bytes(self) -> int:
+        return self.keys.device_bytes()
+
+
+LANDMARKS = {"mean": MeanLandmarks, "minmax": MinMaxLandmarks, "detector": TokenDetector}

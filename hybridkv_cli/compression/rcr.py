@@ -1,0 +1,83 @@
+"""``rcr``: SnapKV's one-shot selection at prefill, refreshed while decoding (rate-controlled refresh).
+
+Every head keeps its window plus ``n`` slots that start with SnapKV's choice (pooled window
+attention) and are re-selected when the layer's drift fires the rate controller
+(:mod:`~hybridkv_cli.compression.refresh`). The detector and the slot indices are paid from
+the budget, so the slots are fewer than SnapKV's entries at the same ``b``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv_cli.compression import register
+from hybridkv_cli.compression.base import Policy, PrefillLayer, check_choice
+from hybridkv_cli.compression.budget import budget_entries, fit_window
+from hybridkv_cli.compression.hybridkv import HybridLayerKV
+from hybridkv_cli.compression.refresh import (
+    REFRESH_KINDS, RateController, Refresher, RefreshOptions, refresh_summary,
+)
+from hybridkv_cli.compression.scoring import snap_keep, window_attention
+from hybridkv_cli.compression.store import RaggedStore
+
+
+@register("rcr")
+@dataclass
+class RCR(Policy):
+    """Rate-controlled refresh over a SnapKV selection.
+
+    Parameters
+    ----------
+    refresh : {"rcr", "periodic", "none"}
+        ``none`` is the one-shot selection with the same layout and budget accounting.
+    refresh_rate : float
+        ρ, the share of layer-steps that refresh.
+    refresh_period : int
+        T for ``periodic``.
+    """
+
+    budget: float = 0.1
+    refresh: str = "rcr"
+    refresh_rate: float = 0.4
+    refresh_period: int = 3
+    records: dict[int, tuple[int, int, Refresher | None]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        check_choice("refresh", self.refresh, REFRESH_KINDS)
+
+    def compress(self, layer: PrefillLayer) -> HybridLayerKV:
+        n, heads = layer.length, layer.num_heads
+        _, pooled, _ = window_attention(layer, self.window)
+        options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period)
+        overhead = 0
+        if self.refresh != "none" and self.budget < 1:
+            overhead = Refresher.device_bytes_for(heads, math.ceil(self.budget * n), n, layer.keys.shape[-1],
+                                                  options.rank)
+        per_head = budget_entries(self.budget, layer, overhead) // heads
+        window = min(self.window, n) if self.budget >= 1 else fit_window(self.window, per_head)
+        slots, span = per_head - window, n - window
+        counts = torch.full((heads,), per_head, dtype=torch.long, device=layer.keys.device)
+        if self.refresh == "none" or not 0 < slots < span:  # nothing to refresh: one-shot selection
+            store = RaggedStore.build(layer.keys, layer.values, snap_keep(pooled, window, counts))
+            self.records[layer.index] = (window, per_head, None)
+            return HybridLayerKV(store, None)
+        keep = torch.zeros_like(pooled, dtype=torch.bool)
+        keep[:, span:] = True
+        store = RaggedStore.build(layer.keys, layer.values, keep, counts - window)
+        selection = pooled[:, :span].topk(slots, dim=1).indices
+        controller = layer.run.setdefault("refresh", RateController(options, layer.keys.device))
+        every = torch.arange(heads, device=layer.keys.device)
+        refresher = Refresher.offload(layer.keys, layer.values, every, store, selection, options, controller)
+        self.records[layer.index] = (window, slots, refresher)
+        return HybridLayerKV(store, None, refresher)
+
+    def summary(self) -> dict:
+        records = [self.records[i] for i in sorted(self.records)]
+        return {
+            "window": [w for w, _, _ in records],
+            "slots_per_head": [s for _, s, _ in records],
+            "refresh": refresh_summary(self.refresh, self.refresh_rate, [r for _, _, r in records]),
+        }
