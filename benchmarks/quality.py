@@ -1,0 +1,156 @@
+"""Quality protocol: method variants on a task split, with 95% bootstrap intervals.
+
+Runs every row of a task file (``scripts/make_text_tasks.py``: pass-key, multi-key and summary
+rows) once with the full cache, then with each variant at each budget, and writes per variant
+and row kind: n, accuracy [95% CI], fidelity (ROUGE-L F1 vs the full-cache output) [95% CI],
+device prompt KV after prefill as a share of the full prompt KV, host→device bytes per decode
+step, ms/token and the refresh rate. Paired differences (variant − reference variant) with
+their intervals answer "better by a margin whose interval excludes zero".
+
+    python benchmarks/quality.py --tasks benchmarks/tasks/text_dev.jsonl --budgets 0.1 \\
+        --variants default,paper,snapkv --out docs/results/quality_dev.json
+
+Choose settings on the dev split; report the test split once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hybridkv_cli.api import ask
+from hybridkv_cli.bench import is_correct, read_tasks
+from hybridkv_cli.fidelity import rouge_l
+from hybridkv_cli.models import load_model
+from hybridkv_cli.stats import bootstrap_ci, paired_diff_ci
+
+# name -> (method, options). "paper" is HybridKV with the paper's settings and no refresh.
+VARIANTS = {
+    "paper": ("hybridkv", {"refresh": "none", "landmark": "mean", "sink_aware": False}),
+    "hybridkv": ("hybridkv", {}),  # the shipped defaults
+    "hkv-rcr": ("hybridkv", {"refresh": "rcr"}),
+    "hkv-periodic": ("hybridkv", {"refresh": "periodic"}),
+    "hkv-rcr-sink": ("hybridkv", {"refresh": "rcr", "sink_aware": True}),
+    "hkv-rcr-detector": ("hybridkv", {"refresh": "rcr", "landmark": "detector"}),
+    "hkv-rcr-minmax": ("hybridkv", {"refresh": "rcr", "landmark": "minmax"}),
+    "hkv-detector": ("hybridkv", {"landmark": "detector"}),
+    "hkv-minmax": ("hybridkv", {"landmark": "minmax"}),
+    "hkv-sink": ("hybridkv", {"sink_aware": True}),
+    "rcr": ("rcr", {}),
+    "rcr-periodic": ("rcr", {"refresh": "periodic"}),
+    **{name: (name, {}) for name in ("snapkv", "lookm", "madakv", "sparsemm", "streamingllm", "quest")},
+}
+
+
+def run_row(loaded, task, method, options, budget, max_new_tokens) -> dict:
+    start = time.perf_counter()
+    r = ask(loaded, None, task.question, context=task.context, method=method, budget=budget,
+            max_new_tokens=max_new_tokens, **options)
+    prompt_tokens = r["input"]["context_tokens"] + r["input"]["text_tokens"]
+    full_prompt = r["kv"]["full_bytes"] * prompt_tokens / (prompt_tokens + r["decode"]["tokens"] - 1)
+    heads = r["heads"] or {}
+    refresh = heads.get("refresh") or {}
+    return {
+        "answer": r["answer"],
+        "correct": is_correct(r["answer"], task.answers) if task.answers else None,
+        "prompt_kv_ratio": r["kv"]["device_bytes_after_prefill"] / full_prompt,
+        "h2d_per_step": (r["traffic"] or {}).get("h2d_bytes_per_step_mean", 0.0),
+        "ms_per_token": r["decode"]["ms_per_token_mean"],
+        "refresh_rate": refresh.get("refresh_rate"),
+        "tokens": prompt_tokens,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def summarise(items: list[dict], reference: dict[str, list[dict]] | None) -> dict:
+    def mean(key):
+        vals = [i[key] for i in items if i[key] is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    acc = [float(i["correct"]) for i in items if i["correct"] is not None]
+    fid = [i["fidelity"] for i in items]
+    out = {
+        "n": len(items),
+        "accuracy": sum(acc) / len(acc) if acc else None, "accuracy_ci": bootstrap_ci(acc),
+        "fidelity": sum(fid) / len(fid) if fid else None, "fidelity_ci": bootstrap_ci(fid),
+        **{k: mean(k) for k in ("prompt_kv_ratio", "h2d_per_step", "ms_per_token", "refresh_rate")},
+    }
+    if reference is not None:
+        ids = [i["id"] for i in items]
+        ref = {i["id"]: i for i in reference}
+        key = "correct" if acc else "fidelity"
+        out["diff_vs_reference"] = paired_diff_ci([float(i[key]) for i in items], [float(ref[k][key]) for k in ids])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", required=True)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--budgets", default="0.1")
+    parser.add_argument("--variants", default="paper,hybridkv,snapkv")
+    parser.add_argument("--reference", help="variant the paired differences are taken against")
+    parser.add_argument("--kinds", help="only these row kinds (comma-separated)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="rows without their own max_new_tokens")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    loaded = load_model(args.model, device="cpu")
+    tasks = read_tasks(args.tasks)
+    raw = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
+    if args.kinds:
+        keep = set(args.kinds.split(","))
+        pairs = [(t, r) for t, r in zip(tasks, raw) if r.get("kind") in keep]
+    else:
+        pairs = list(zip(tasks, raw))
+    budgets = [float(b) for b in args.budgets.split(",")]
+    names = args.variants.split(",")
+    items: dict[str, list[dict]] = {}
+    full_out: dict[str, str] = {}
+    for task, row in pairs:
+        new = int(row.get("max_new_tokens", args.max_new_tokens))
+        full = run_row(loaded, task, "full", {}, 1.0, new)
+        full_out[task.id] = full["answer"]
+        items.setdefault("full", []).append({"id": task.id, "kind": row.get("kind"), "fidelity": 1.0, **full})
+        for name in names:
+            method, options = VARIANTS[name]
+            for budget in budgets:
+                r = run_row(loaded, task, method, options, budget, new)
+                r["fidelity"] = rouge_l(r["answer"], full["answer"])
+                items.setdefault(f"{name}@{budget}", []).append({"id": task.id, "kind": row.get("kind"), **r})
+                print(f"{task.id:28s} {name:18s} b={budget} {r['correct']!s:5s} fid={r['fidelity']:.2f} "
+                      f"{r['answer'][:40]!r} ({r['seconds']:.1f}s)", file=sys.stderr, flush=True)
+    kinds = sorted({i["kind"] for i in items["full"]})
+    table = {}
+    for key, rows in items.items():
+        ref_key = f"{args.reference}@{key.split('@')[1]}" if args.reference and "@" in key else None
+        ref = items.get(ref_key) if ref_key and ref_key != key else None
+        table[key] = {"all": summarise(rows, ref)}
+        for kind in kinds:
+            sub = [r for r in rows if r["kind"] == kind]
+            table[key][kind] = summarise(sub, [r for r in ref if r["kind"] == kind] if ref else None)
+    for key, by_kind in table.items():
+        cells = [f"{kind}: acc {fmt(s['accuracy'])} {fmt_ci(s['accuracy_ci'])} fid {s['fidelity']:.3f}"
+                 for kind, s in by_kind.items() if kind != "all"]
+        s = by_kind["all"]
+        print(f"{key:24s} kv {s['prompt_kv_ratio']:.3f} h2d/step {s['h2d_per_step']:.0f} "
+              f"ms/tok {s['ms_per_token'] or 0:.1f} refresh {fmt(s['refresh_rate'])} | " + " | ".join(cells))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"tasks": args.tasks, "model": args.model, "budgets": budgets,
+                                        "variants": {n: VARIANTS[n] for n in names}, "table": table,
+                                        "items": items}, indent=1))
+
+
+def fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def fmt_ci(ci) -> str:
+    return "" if not ci else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
+if __name__ == "__main__":
+    main()
