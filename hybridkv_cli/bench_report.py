@@ -42,14 +42,22 @@ def render_bench(result: dict, console: Console) -> None:
                   "fidelity = ROUGE-L F1 vs the full-cache output", highlight=False, soft_wrap=True)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     for column in ("method", "budget", "n", "err", "accuracy", "fidelity", "KV ratio", "ms/tok", "h2d/step"):
-        table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
+        # a narrow terminal: a value above its interval
+        table.add_column(column, justify="left" if column == "method" else "right",
+                         no_wrap=column not in ("accuracy", "fidelity"), min_width=11 if column == "fidelity" else None)
     for row in result["aggregates"]:
         traffic = row["h2d_bytes_per_step"]
         table.add_row(row["method"], f"{row['budget']:g}", str(row["n"]), str(row["errors"]),
                       _with_ci(row["accuracy"], row.get("accuracy_ci"), ".0%", ".0f", 100),
                       _with_ci(row["fidelity"], row.get("fidelity_ci"), ".3f", ".2f"), _fmt(row["kv_ratio"], ".3f"),
                       _fmt(row["ms_per_token"], ".2f"), human_bytes(None if traffic is None else round(traffic)))
-    console.print(table)
+    width = console.width
+    if not console.is_terminal:  # a pipe or a file: the whole table, however wide, rather than cut cells
+        console.width = max(width, console.measure(table, options=console.options.update_width(1000)).maximum)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
 
 
 def write_csv(aggregates: list[dict], path: Path) -> None:

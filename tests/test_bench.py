@@ -68,6 +68,25 @@ def test_normalise_and_accuracy():
     assert (row["accuracy"], row["accuracy_ci"], row["fidelity_ci"]) == (None, None, [0.0, 0.0])
 
 
+
+def test_table_shows_the_intervals_uncut_when_piped():
+    import io
+
+    from rich.console import Console
+
+    from hybridkv_cli.bench_report import render_bench
+
+    items = [{"method": "streamingllm", "budget": 0.05, "error": None, "correct": True, "fidelity": 0.5,
+              "kv_ratio": 0.1, "ms_per_token": 1234.5, "h2d_bytes_per_step": 1.2e6}] * 4
+    out = io.StringIO()
+    console = Console(file=out, width=80)
+    render_bench({"config": {"model": "m", "inputs": 4, "max_new_tokens": 4},
+                  "aggregates": aggregate(items, [("streamingllm", 0.05)])}, console)
+    line = out.getvalue().splitlines()[-1]
+    assert "100% [100–100]" in line and "0.500 [0.50–0.50]" in line and line.endswith("1.14 MiB")
+    assert console.width == 80
+
+
 # --- one media input: every output file -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def media_run(tmp_path_factory, demo):

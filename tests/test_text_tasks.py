@@ -75,8 +75,9 @@ def test_rows(committed, split):
 
 
 def test_splits_share_no_key_and_no_prose(generator, committed):
-    keys = {split: {k for r in rows if "answer" in r for k in re.findall(r"\d{5}", " ".join(NEEDLES.findall(r["context"])))}
+    keys = {split: {k for r in rows for k in re.findall(r"\d{5}", " ".join(NEEDLES.findall(r["context"])))}
             for split, rows in committed.items()}
+    assert len(keys["dev"]) == 3 * (3 + 2 * 4) and len(keys["test"]) == 3 * (5 + 5 * 4)  # unique within a split
     assert not keys["dev"] & keys["test"]
     corpus = {split: [p for ps in topics.values() for p in ps] for split, topics in generator.split_topics().items()}
     for split, rows in committed.items():
