@@ -22,11 +22,12 @@ test 55000-99999). Per haystack length of about 1k, 2k and 4k SmolLM2 tokens (th
 the sentence end nearest to the calibrated character count, ``CHARS_PER_TOKEN_SPLITS``):
 
 * ``passkey`` rows: as above, one haystack per depth (dev: 10/50/90 %, test: 10/30/50/70/90 %).
-* ``multikey`` rows: four sentences "The secret code for the {name} is NNNNN." with different
+* ``multikey`` rows: three sentences "The secret code for the {name} is NNNNN." with different
   names and keys, the asked one at the row's depth (dev: 30/70 %, test: 10/30/50/70/90 %), the
-  three others at scattered depths at least 15 points away; question "What is the secret code for
+  two others at scattered depths at least 20 points away; question "What is the secret code for
   the {name}? Answer with the number only."; ``answer``: the asked key. Every key of a row occurs
-  once in its context.
+  once in its context. (Calibrated on dev prose with the full cache: with four sentences and
+  plainer names, SmolLM2 answered a distractor's code in over half the rows.)
 * ``summary`` rows (dev 3, test 6): about 1k tokens of one topic's prose; no answer; field
   ``max_new_tokens: 64`` (long-form decoding).
 
@@ -71,11 +72,12 @@ SPLITS = {  # split: (passkey depths, multikey depths, summaries, key range)
 }
 MULTIKEY_NEEDLE = "The secret code for the {name} is {key}."
 MULTIKEY_QUESTION = "What is the secret code for the {name}? Answer with the number only."
-MULTIKEY_KEYS = 4  # the asked one and three distractors
-MULTIKEY_NAMES = ("blue door", "north gate", "old library", "red car", "green boat", "iron bridge",
-                  "yellow kite", "glass tower", "stone well", "silver train", "east tunnel", "wooden barn")
+MULTIKEY_KEYS = 3  # the asked one and two distractors (four: SmolLM2 picked a distractor too often)
+MULTIKEY_NAMES = ("purple elephant", "frozen lighthouse", "copper kettle", "midnight bakery", "paper submarine",
+                  "velvet umbrella", "thunder canyon", "crystal orchard", "marble staircase", "lemon windmill",
+                  "rusty anchor", "golden violin")  # vivid, no word shared, unlike the technical prose
 DISTRACTOR_DEPTHS = (0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95)
-MIN_DEPTH_GAP = 0.15
+MIN_DEPTH_GAP = 0.2
 SUMMARY_MAX_NEW_TOKENS = 64
 SUMMARY_MIN_SHARE = 0.85  # a topic to summarise has at least this share of SUMMARY_TOKENS
 

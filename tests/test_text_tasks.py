@@ -64,7 +64,7 @@ def test_rows(committed, split):
             continue
         assert r["target_tokens"] in (1000, 2000, 4000) and f"-{r['target_tokens'] // 1000}k-" in r["id"]
         keys = re.findall(r"\d{5}", "".join(NEEDLES.findall(r["context"])))
-        assert len(keys) == len(set(keys)) == (1 if r["kind"] == "passkey" else 4)
+        assert len(keys) == len(set(keys)) == (1 if r["kind"] == "passkey" else 3)
         assert r["answer"] in keys and all(r["context"].count(k) == 1 for k in keys)
         assert abs(r["depth"] - int(r["id"][-2:]) / 100) < 0.15  # the real depth near the nominal one
         if r["kind"] == "multikey":
@@ -77,7 +77,7 @@ def test_rows(committed, split):
 def test_splits_share_no_key_and_no_prose(generator, committed):
     keys = {split: {k for r in rows for k in re.findall(r"\d{5}", " ".join(NEEDLES.findall(r["context"])))}
             for split, rows in committed.items()}
-    assert len(keys["dev"]) == 3 * (3 + 2 * 4) and len(keys["test"]) == 3 * (5 + 5 * 4)  # unique within a split
+    assert len(keys["dev"]) == 3 * (3 + 2 * 3) and len(keys["test"]) == 3 * (5 + 5 * 3)  # unique within a split
     assert not keys["dev"] & keys["test"]
     corpus = {split: [p for ps in topics.values() for p in ps] for split, topics in generator.split_topics().items()}
     for split, rows in committed.items():
