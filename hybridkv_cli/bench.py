@@ -261,11 +261,18 @@ def run_bench(loaded, tasks: list[Task], methods: list[str], budgets: list[float
 
 def aggregate(items: list[dict], runs: list[tuple[str, float]]) -> list[dict]:
     """One row per (method, budget) of ``runs``: n, errors and the means over the runs that
-    completed (accuracy over those with an expected answer; None where nothing to average)."""
+    completed (accuracy over those with an expected answer; None where nothing to average), and
+    ``accuracy_ci`` / ``fidelity_ci``: the 95 % percentile-bootstrap interval ``[lo, hi]`` of
+    those two means over the same runs (:func:`hybridkv_cli.stats.bootstrap_ci`; None likewise)."""
+    from hybridkv_cli.stats import bootstrap_ci
+
     rows = []
     for method, budget in runs:
         group = [r for r in items if r["method"] == method and r["budget"] == budget]
         done = [r for r in group if r["error"] is None]
+        intervals = {f"{column}_ci": bootstrap_ci(r[_MEANS[column]] for r in done)
+                     for column in ("accuracy", "fidelity")}
         rows.append({"method": method, "budget": budget, "n": len(group), "errors": len(group) - len(done),
-                     **{column: _mean(r[key] for r in done) for column, key in _MEANS.items()}})
+                     **{column: _mean(r[key] for r in done) for column, key in _MEANS.items()},
+                     **{column: None if ci is None else list(ci) for column, ci in intervals.items()}})
     return rows

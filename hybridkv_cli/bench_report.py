@@ -12,12 +12,25 @@ from rich.table import Table
 
 from hybridkv_cli.report import human_bytes
 
-#: Columns of bench.csv: one row per (method, budget), the full-cache reference first.
-COLUMNS = ("method", "budget", "n", "errors", "accuracy", "fidelity", "kv_ratio", "ms_per_token", "h2d_bytes_per_step")
+#: Columns of bench.csv: one row per (method, budget), the full-cache reference first; the 95 %
+#: bootstrap intervals of accuracy and fidelity come last (``*_lo``, ``*_hi``).
+COLUMNS = ("method", "budget", "n", "errors", "accuracy", "fidelity", "kv_ratio", "ms_per_token", "h2d_bytes_per_step",
+           "accuracy_lo", "accuracy_hi", "fidelity_lo", "fidelity_hi")
+#: Aggregate interval -> its two CSV columns.
+INTERVALS = {"accuracy_ci": ("accuracy_lo", "accuracy_hi"), "fidelity_ci": ("fidelity_lo", "fidelity_hi")}
 
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _with_ci(value, ci, spec: str, ci_spec: str, scale: float = 1.0) -> str:
+    """``value`` and its interval ``ci`` (scaled), e.g. ``85% [70–95]``; the value alone without one."""
+    text = _fmt(value, spec)
+    if value is None or ci is None:
+        return text
+    lo, hi = (v * scale for v in ci)
+    return f"{text} [{lo:{ci_spec}}–{hi:{ci_spec}}]"
 
 
 def render_bench(result: dict, console: Console) -> None:
@@ -29,13 +42,22 @@ def render_bench(result: dict, console: Console) -> None:
                   "fidelity = ROUGE-L F1 vs the full-cache output", highlight=False, soft_wrap=True)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     for column in ("method", "budget", "n", "err", "accuracy", "fidelity", "KV ratio", "ms/tok", "h2d/step"):
-        table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
+        # a narrow terminal: a value above its interval
+        table.add_column(column, justify="left" if column == "method" else "right",
+                         no_wrap=column not in ("accuracy", "fidelity"), min_width=11 if column == "fidelity" else None)
     for row in result["aggregates"]:
         traffic = row["h2d_bytes_per_step"]
         table.add_row(row["method"], f"{row['budget']:g}", str(row["n"]), str(row["errors"]),
-                      _fmt(row["accuracy"], ".1%"), _fmt(row["fidelity"], ".3f"), _fmt(row["kv_ratio"], ".3f"),
+                      _with_ci(row["accuracy"], row.get("accuracy_ci"), ".0%", ".0f", 100),
+                      _with_ci(row["fidelity"], row.get("fidelity_ci"), ".3f", ".2f"), _fmt(row["kv_ratio"], ".3f"),
                       _fmt(row["ms_per_token"], ".2f"), human_bytes(None if traffic is None else round(traffic)))
-    console.print(table)
+    width = console.width
+    if not console.is_terminal:  # a pipe or a file: the whole table, however wide, rather than cut cells
+        console.width = max(width, console.measure(table, options=console.options.update_width(1000)).maximum)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
 
 
 def write_csv(aggregates: list[dict], path: Path) -> None:
@@ -43,7 +65,11 @@ def write_csv(aggregates: list[dict], path: Path) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
-        writer.writerows({k: "" if row[k] is None else row[k] for k in COLUMNS} for row in aggregates)
+        for row in aggregates:
+            flat = dict(row)
+            for interval, (lo, hi) in INTERVALS.items():
+                flat[lo], flat[hi] = row.get(interval) or (None, None)
+            writer.writerow({k: "" if flat[k] is None else flat[k] for k in COLUMNS})
 
 
 def save_plot(result: dict, path: Path) -> None:

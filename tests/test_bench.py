@@ -58,7 +58,33 @@ def test_normalise_and_accuracy():
     items.append({"method": "m", "budget": 0.1, "error": {"type": "MediaError", "message": "x"}})
     [row] = aggregate(items, [("m", 0.1)])
     assert row == {"method": "m", "budget": 0.1, "n": 4, "errors": 1, "accuracy": 0.5, "fidelity": 0.5,
-                   "kv_ratio": 0.25, "ms_per_token": 2.0, "h2d_bytes_per_step": None}
+                   "kv_ratio": 0.25, "ms_per_token": 2.0, "h2d_bytes_per_step": None,
+                   "accuracy_ci": [0.0, 1.0], "fidelity_ci": [0.0, 1.0]}  # 2 and 3 items: all-0 and all-1 resamples
+    many = [{**items[0], "correct": c, "fidelity": 0.8} for c in [True] * 30 + [False] * 10]
+    [row] = aggregate(many, [("m", 0.1)])
+    assert row["accuracy"] == 0.75 and 0.6 < row["accuracy_ci"][0] < 0.75 < row["accuracy_ci"][1] < 0.9
+    assert row["fidelity_ci"] == [0.8, 0.8]
+    [row] = aggregate(items[2:], [("m", 0.1)])  # no expected answer, one error
+    assert (row["accuracy"], row["accuracy_ci"], row["fidelity_ci"]) == (None, None, [0.0, 0.0])
+
+
+
+def test_table_shows_the_intervals_uncut_when_piped():
+    import io
+
+    from rich.console import Console
+
+    from hybridkv_cli.bench_report import render_bench
+
+    items = [{"method": "streamingllm", "budget": 0.05, "error": None, "correct": True, "fidelity": 0.5,
+              "kv_ratio": 0.1, "ms_per_token": 1234.5, "h2d_bytes_per_step": 1.2e6}] * 4
+    out = io.StringIO()
+    console = Console(file=out, width=80)
+    render_bench({"config": {"model": "m", "inputs": 4, "max_new_tokens": 4},
+                  "aggregates": aggregate(items, [("streamingllm", 0.05)])}, console)
+    line = out.getvalue().splitlines()[-1]
+    assert "100% [100–100]" in line and "0.500 [0.50–0.50]" in line and line.endswith("1.14 MiB")
+    assert console.width == 80
 
 
 # --- one media input: every output file -----------------------------------------------------------
@@ -78,7 +104,10 @@ def test_csv_has_full_and_every_method_budget(media_run):
     with open(out / "bench.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["method", "budget", "n", "errors", "accuracy", "fidelity", "kv_ratio", "ms_per_token",
-                             "h2d_bytes_per_step"]
+                             "h2d_bytes_per_step", "accuracy_lo", "accuracy_hi", "fidelity_lo", "fidelity_hi"]
+    # one input per row: a zero-width interval at the value
+    assert all(r["fidelity_lo"] == r["fidelity_hi"] == r["fidelity"] for r in rows)
+    assert all(r["accuracy_lo"] == r["accuracy_hi"] == r["accuracy"] for r in rows)
     assert [(r["method"], float(r["budget"])) for r in rows] == [
         ("full", 1.0), ("hybridkv", 0.1), ("hybridkv", 1.0), ("snapkv", 0.1), ("snapkv", 1.0)]
     fidelity = {(r["method"], float(r["budget"])): float(r["fidelity"]) for r in rows}
