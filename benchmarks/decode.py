@@ -6,6 +6,7 @@ middle is marked as visual tokens (the layout of a video prompt). Everything run
 library's own generation path, so prefill, compression and decode are what `hybridkv ask` does.
 
     python benchmarks/decode.py --lengths 8192 16384 --budgets 0.1 0.2 --out docs/cpu_decode.json
+    python benchmarks/decode.py --lengths 16384 --budgets 0.1 --methods rcr rcr:refresh=none   # refresh cost
     python benchmarks/gpu_decode.py      # CUDA: 28 layers, bf16, 8k/32k/64k, plus stock SDPA generate
 
 Reports per method: per-token decode latency (whole step), decode attention time per step
@@ -54,15 +55,29 @@ def video_like_prompt(length: int, vocab: int) -> Prompt:
     return Prompt(inputs={"input_ids": ids, "attention_mask": torch.ones_like(ids)}, visual=visual)
 
 
-def run(model, prompt: Prompt, method: str, budget: float, new_tokens: int) -> dict:
-    policy = make_policy(method, budget=budget)
+def parse_method(spec: str) -> tuple[str, dict]:
+    """``name`` or ``name:key=value,key=value`` (values parsed as numbers where they are)."""
+    name, _, rest = spec.partition(":")
+    options = {}
+    for pair in filter(None, rest.split(",")):
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = float(value) if "." in value else int(value)
+        except ValueError:
+            options[key] = value
+    return name, options
+
+
+def run(model, prompt: Prompt, spec: str, budget: float, new_tokens: int) -> dict:
+    method, options = parse_method(spec)
+    policy = make_policy(method, budget=budget, **options)
     out = generate(model, prompt, policy, max_new_tokens=new_tokens)
     cfg = model.config.get_text_config()
     full_prompt_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 128 * prompt.length * model.dtype.itemsize
     steps = len(out.step_s)
     heads = policy.summary()
     return {
-        "method": method,
+        "method": spec,
         "budget": policy.budget,
         "prefill_s": out.prefill_s,
         "compress_s": out.cache.compress_seconds,
@@ -76,8 +91,7 @@ def run(model, prompt: Prompt, method: str, budget: float, new_tokens: int) -> d
         "host_bytes": out.cache.host_bytes(),
         "h2d_bytes_per_step": out.cache.transferred_bytes() / steps,
         "cuda_peak_bytes": out.cuda_peak_bytes,
-        "heads": None if heads is None else {"static": heads["static"], "dynamic": heads["dynamic"],
-                                             "padding_entries": heads["padding_entries"]},
+        "heads": None if heads is None else {k: heads[k] for k in ("static", "dynamic", "refresh") if k in heads},
     }
 
 
@@ -104,6 +118,8 @@ def parser(**defaults) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=defaults.get("lengths", [8192, 16384]))
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2])
+    ap.add_argument("--methods", nargs="+", default=["hybridkv"],
+                    help="methods to time beside full: NAME or NAME:option=value,...")
     ap.add_argument("--layers", type=int, default=defaults.get("layers", 2))
     ap.add_argument("--intermediate", type=int, default=defaults.get("intermediate", 1024))
     ap.add_argument("--new-tokens", type=int, default=24)
@@ -121,7 +137,7 @@ def main(argv=None, **defaults) -> None:
     rows = []
     for length in args.lengths:
         prompt = video_like_prompt(length, model.config.get_text_config().vocab_size)
-        runs = [("full", 1.0)] + [("hybridkv", b) for b in args.budgets]
+        runs = [("full", 1.0)] + [(m, b) for m in args.methods for b in args.budgets]
         if args.stock:
             rows.append({"prompt_tokens": length, **stock_run(model, prompt, args.new_tokens)})
             print(json.dumps(rows[-1]), flush=True)
