@@ -124,7 +124,8 @@ class Session:
     def load_media(self, paths) -> MediaInput:
         """One input's media, at the model's own frame size unless ``--max-pixels`` says otherwise."""
         o = self.options
-        return load_media(list(paths), frames=o.frames, fps=o.fps, max_pixels=models.max_pixels_for(o.model, o.max_pixels))
+        max_pixels = models.max_pixels_for(o.model, o.max_pixels)
+        return load_media(list(paths), frames=o.frames, fps=o.fps, max_pixels=max_pixels)
 
     def prepare(self, media: MediaInput | None, question: str, *, context: str | None = None,
                 source: str | None = None) -> Prepared:
