@@ -35,7 +35,6 @@ def error_record(key: str, exc: BaseException) -> dict:
     return {"input": key, "error": {"type": type(exc).__name__, "message": one_line(message)}}
 
 
-
 @dataclass
 class Summary:
     """How a run went: inputs answered, failed, skipped (``--resume``), and whether Ctrl-C stopped it."""

@@ -94,7 +94,6 @@ def _check_model_type(model_type: str | None, name: str) -> None:
         )
 
 
-
 def _hub_offline() -> bool:
     """HF_HUB_OFFLINE as huggingface_hub reads it (the variable is re-read: it may change at run time)."""
     env = os.environ.get("HF_HUB_OFFLINE")

@@ -352,5 +352,3 @@ def load_demo(name: str, device: torch.device, dtype: torch.dtype) -> LoadedMode
     loaded = build_demo(device=device, dtype=dtype)
     loaded.name = name
     return loaded
-
-

@@ -148,7 +148,6 @@ def corpus() -> tuple[str, ...]:
     return tuple(lines)
 
 
-
 @functools.lru_cache(maxsize=1)
 def train_bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     """Train the demo byte-level BPE (cached per process; deterministic)."""
@@ -175,7 +174,6 @@ def train_bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     model = json.loads(tok.to_str())["model"]
     merges = tuple(tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"])
     return dict(model["vocab"]), merges
-
 
 
 def write(path: str | Path = DEMO_TOKENIZER) -> Path:

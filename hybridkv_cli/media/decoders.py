@@ -36,11 +36,13 @@ class DecodeFailed(Exception):
 
 
 def to_display(chunk: torch.Tensor, rotation: int) -> torch.Tensor:
+    """Frames ``(..., H, W)`` turned by ``rotation`` degrees counter-clockwise (a multiple of 90)."""
     k = (rotation // 90) % 4
     return torch.rot90(chunk, k, dims=(-2, -1)) if k else chunk
 
 
 def resize_chunk(chunk: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Frames ``(..., H, W)`` resized to ``size`` (bicubic, antialiased), or as they are."""
     if tuple(chunk.shape[-2:]) == size:
         return chunk.contiguous()
     from torchvision.transforms import InterpolationMode
@@ -49,7 +51,8 @@ def resize_chunk(chunk: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return TF.resize(chunk, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True)
 
 
-_decord_quiet = False
+_decord_quiet = False  # decord's log level is set once per process (it logs every seek otherwise)
+
 
 def decode_decord(path: Path, probe: Probe, plan: Plan, shown: str) -> Decoded:
     """Decode with decord (fast random access); :class:`DecodeFailed` hands over to PyAV."""
@@ -191,8 +194,6 @@ def decode_pyav(path: Path, probe: Probe, plan: Plan, shown: str) -> Decoded:
         if math.isfinite(span) and span > 0:
             duration = span
     return Decoded(torch.stack(results), total, indices, duration)
-
-
 
 
 #: (name, decode), in the order they are tried.

@@ -41,6 +41,7 @@ else:  # newer qwen-vl-utils: total pixels follow the model's sequence length (0
     VIDEO_TOTAL_PIXELS = int(getattr(_qvp, "MODEL_SEQ_LEN", 128000) * _PX * 0.9)
 FPS_MAX_FRAMES = int(getattr(_qvp, "FPS_MAX_FRAMES", 768))
 
+
 def _fallback_smart_resize(height, width, factor, min_pixels=None, max_pixels=None):  # pragma: no cover
     max_pixels = IMAGE_MAX_PIXELS if max_pixels is None else max_pixels
     min_pixels = IMAGE_MIN_PIXELS if min_pixels is None else min_pixels
@@ -120,5 +121,3 @@ def target_size(height: int, width: int, min_pixels: int, max_pixels: int, *, so
         else:
             w -= PATCH_FACTOR
     return h, w
-
-

@@ -131,5 +131,3 @@ def load_image(path: Path, min_pixels: int | None, max_pixels: int | None) -> Im
             raise MediaError("not a recognised image file (corrupt, truncated or unsupported format)",
                              source=shown) from None
         raise MediaError(f"corrupt or truncated image ({one_line(e)})", source=shown) from None
-
-

@@ -11,6 +11,8 @@ from hybridkv_cli.media.sniff import one_line, sniff
 
 
 class Probe(NamedTuple):
+    """What PyAV says about a video before it is decoded."""
+
     width: int
     height: int
     frames: int  # from the container header; 0 if unknown
@@ -21,6 +23,7 @@ class Probe(NamedTuple):
 
 
 def av_error_reason(e: BaseException) -> str:
+    """PyAV's error, as the one-line reason a user sees."""
     msg = getattr(e, "strerror", None) or str(e)
     msg = " ".join(str(msg).split())
     low = msg.lower()
@@ -32,6 +35,7 @@ def av_error_reason(e: BaseException) -> str:
 
 
 def probe_video(path: Path, shown: str, head: bytes) -> Probe:
+    """Read the header facts of ``path`` (``head``: its first bytes); a MediaError when it is no video."""
     import av
 
     guess = sniff(head)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hybridkv_cli.errors import MediaError
 
+
 def lstat_checked(path: Path, shown: str) -> os.stat_result:
     """stat() a path, turning every failure into a one-line MediaError."""
     try:
@@ -32,8 +33,6 @@ def lstat_checked(path: Path, shown: str) -> os.stat_result:
         except OSError as e:  # e.g. a symlink loop
             raise MediaError(f"cannot follow symbolic link: {e.strerror or e}", source=shown) from None
     return st
-
-
 
 
 def _open_binary(path: Path):  # indirection point for tests (root ignores permission bits)
@@ -112,5 +111,3 @@ def one_line(e: BaseException | str) -> str:
     if not msg:
         msg = type(e).__name__
     return msg if len(msg) <= 160 else msg[:157] + "..."
-
-
