@@ -1,4 +1,5 @@
-"""Runs over many inputs (hybridkv_cli/batch.py, inputs.py, jsonl.py, session.py), in process with the demo model loaded once.
+"""Runs over many inputs (batch.py, inputs.py, jsonl.py, session.py), in process with the demo model
+loaded once.
 
 The media layer's own checks (each corrupt-file message, image modes, sampling) live in
 test_media.py; here every class of bad input goes through the pipeline once, to check that it
