@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.generation.streamers import BaseStreamer
@@ -51,7 +51,6 @@ class Generation:
     cache: PolicyCache
     device_bytes_after_prefill: int
     cuda_peak_bytes: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def question_length(prompt: Prompt) -> int:
