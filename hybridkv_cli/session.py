@@ -60,11 +60,13 @@ class Policies:
         self._next: Policy | None = None
 
     def first(self) -> Policy:
+        """The next policy to hand out, built now (raises UsageError for bad options)."""
         if self._next is None:
             self._next = make_policy(self.method, **self.options)
         return self._next
 
     def take(self) -> Policy:
+        """A policy for one generation; never the same one twice."""
         policy, self._next = self.first(), None
         return policy
 
@@ -155,12 +157,12 @@ class Session:
                            o.defer_question)
 
     # --- the straight line -------------------------------------------------------------------
-    def answer(self, item: Item, question: str, context: str | None = None, policy: Policy | None = None) -> dict:
+    def answer(self, item: Item, question: str, context: str | None = None) -> dict:
         """The result record for ``item`` (no paths: a text prompt about ``context``); raises a
         :class:`HybridKVError` for a bad input."""
         if item.error is not None:
             raise item.error
-        policy = policy or self.policies.take()
+        policy = self.policies.take()
         media = self.load_media(item.paths) if item.paths else None
         prepared = self.prepare(media, question, context=context, source=item.key if item.paths else None)
         return self.run(prepared, policy)
