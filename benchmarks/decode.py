@@ -97,7 +97,6 @@ def run(model, prompt: Prompt, spec: str, budget: float, new_tokens: int) -> dic
 
 def stock_run(model, prompt: Prompt, new_tokens: int) -> dict:
     """Stock ``generate`` with transformers' own cache and SDPA: the baseline users have today."""
-    model.set_attn_implementation("sdpa")
     inputs = {k: v.to(model.device) for k, v in prompt.inputs.items()}
     clock = StepClock(model.device)
     if model.device.type == "cuda":

@@ -103,7 +103,7 @@ def _slots(n_prompt, budget, n_chunks):
     if budget >= 1.0:
         return n_chunks
     want = max(1, round((0.75 * budget * n_prompt - W) / C_TOK))
-    return min(n_chunks, 1 << round(math.log2(want)))  # nearest power of two, as DESIGN §4
+    return min(n_chunks, 1 << round(math.log2(want)))  # nearest power of two, as HybridKV allocates
 
 
 def bench_topk(n_prompt, budget, device, backends, timeit, iters, warmup):

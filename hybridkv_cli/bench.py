@@ -23,7 +23,6 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from hybridkv_cli.errors import HybridKVError, UsageError
 
@@ -88,7 +87,7 @@ def read_tasks(path: str | Path) -> list[Task]:
     ``media`` (path or list of paths, relative to the file's directory); exactly one of
     ``context`` and ``media``; other keys are ignored. A bad row is a :class:`UsageError`
     naming ``FILE:LINE``."""
-    from hybridkv_cli.pipeline import clean_question
+    from hybridkv_cli.questions import clean_question
 
     path = Path(path)
     try:
@@ -157,10 +156,6 @@ def _mean(values) -> float | None:
 
 
 # --- running --------------------------------------------------------------------------------------
-class _Unit(NamedTuple):  # one run, as the progress display names it
-    key: str
-
-
 def plan_runs(methods: list[str], budgets: list[float]) -> list[tuple[str, float]]:
     """The (method, budget) runs of every input: the full-cache reference first."""
     return [(REFERENCE, 1.0)] + [(m, b) for m in methods for b in budgets]
@@ -185,24 +180,26 @@ def _record(task: Task, method: str, budget: float, result: dict | None = None, 
     return record
 
 
-def run_bench(loaded, tasks: list[Task], methods: list[str], budgets: list[float], *, max_new_tokens: int = 32,
-              frames: int = 64, fps: float | None = None, max_pixels: int | None = None, console=None,
+def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[float], *, console=None,
               quiet: bool = False, debug: bool = False, **options) -> dict:
-    """Run every task through :func:`plan_runs` and aggregate; returns ``{"config", "aggregates",
-    "items"}``. ``options`` (window, theta, ...) go to every method that takes them;
-    ``defer_question`` in them goes to every run (:func:`hybridkv_cli.api.ask`). A run that
-    fails (its input's media, the device memory, ...) becomes an item with ``error`` set and the
-    others go on; ``debug`` re-raises unexpected exceptions. Progress and errors are shown on
-    ``console`` (stderr) unless ``quiet``."""
+    """Run every task through :func:`plan_runs` with ``session`` and aggregate; returns
+    ``{"config", "aggregates", "items"}``.
+
+    Each task's media is loaded and its prompt built once for all its runs; frames, pixels,
+    ``max_new_tokens`` and ``defer_question`` are the session's options. ``options`` (window,
+    theta, ...) go to every method that takes them. A run that fails (its input's media, the
+    device memory, ...) becomes an item with ``error`` set and the others go on; ``debug``
+    re-raises unexpected exceptions. Progress and errors are shown on ``console`` (stderr)
+    unless ``quiet``.
+    """
     from rich.markup import escape
 
-    from hybridkv_cli.api import ask
-    from hybridkv_cli.media import load_media
-    from hybridkv_cli.models import max_pixels_for
-    from hybridkv_cli.pipeline import Progress, check_context, error_record
-    from hybridkv_cli.report import DEMO_NOTE
+    from hybridkv_cli.batch import error_record
+    from hybridkv_cli.compression import make_policy
+    from hybridkv_cli.progress import Progress
+    from hybridkv_cli.record import note
 
-    pixels = max_pixels_for(loaded.name, max_pixels)  # the model's own frame size unless given
+    loaded, settings = session.model(), session.options
     with_media = next((t for t in tasks if t.media), None)
     if with_media is not None:
         loaded.refuse_media(with_media.id)
@@ -223,39 +220,37 @@ def run_bench(loaded, tasks: list[Task], methods: list[str], budgets: list[float
     with progress:
         for task in tasks:
             try:
-                media = (load_media(list(task.media), frames=frames, fps=fps, max_pixels=pixels)
-                         if task.media else None)
-                check_context(loaded, media, task.question, max_new_tokens, source=task.id, context=task.context)
+                media = session.load_media(task.media) if task.media else None
+                prepared = session.prepare(media, task.question, context=task.context, source=task.id)
             except Exception as e:
                 error = failed(task.id, e)
                 for method, budget in runs:
                     items.append(_record(task, method, budget, error=error))
-                    progress.finish(_Unit(f"{task.id} {method} b={budget:g}"), False, 0.0)
+                    progress.finish(f"{task.id} {method} b={budget:g}", False, 0.0)
                 continue
             if not warm:  # the first generation pays one-time costs: keep them out of every ms/token
                 warm = True
                 with suppress(Exception):  # a failure shows in the real run
-                    ask(loaded, media, task.question, context=task.context, method=REFERENCE, max_new_tokens=2)
+                    session.run(prepared, make_policy(REFERENCE), max_new_tokens=2)
             reference = None
             for method, budget in runs:
-                unit = _Unit(f"{task.id} {method} b={budget:g}")
-                progress.begin(unit)
+                key = f"{task.id} {method} b={budget:g}"
+                progress.begin(key)
                 started = time.perf_counter()
                 try:
-                    result = ask(loaded, media, task.question, context=task.context, method=method, budget=budget,
-                                 max_new_tokens=max_new_tokens, **options)
+                    result = session.run(prepared, make_policy(method, budget=budget, **options))
                 except Exception as e:
-                    items.append(_record(task, method, budget, error=failed(unit.key, e)))
-                    progress.finish(unit, False, time.perf_counter() - started)
+                    items.append(_record(task, method, budget, error=failed(key, e)))
+                    progress.finish(key, False, time.perf_counter() - started)
                     continue
                 if method == REFERENCE:
                     reference = result["answer"]
                 items.append(_record(task, method, budget, result, reference))
-                progress.finish(unit, True, time.perf_counter() - started)
+                progress.finish(key, True, time.perf_counter() - started)
     config = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-              "methods": methods, "budgets": budgets, "max_new_tokens": max_new_tokens, "options": options,
-              "frames": frames, "fps": fps, "max_pixels": max_pixels, "inputs": len(tasks),
-              "note": DEMO_NOTE if loaded.is_demo else None}
+              "methods": methods, "budgets": budgets, "max_new_tokens": settings.max_new_tokens,
+              "options": {**options, "defer_question": settings.defer_question}, "frames": settings.frames,
+              "fps": settings.fps, "max_pixels": settings.max_pixels, "inputs": len(tasks), "note": note(loaded)}
     return {"config": config, "aggregates": aggregate(items, runs), "items": items}
 
 

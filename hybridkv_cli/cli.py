@@ -1,4 +1,8 @@
-"""Command line: parse, call the library, render. Errors become one line and an exit code."""
+"""Command line: parse, hand the inputs to a session, render. Errors become one line and an exit code.
+
+Heavy imports (torch, transformers, media decoders) happen inside the commands, so ``--help``
+and usage errors stay fast.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +15,12 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
-from hybridkv_cli.errors import HybridKVError, UsageError
+from hybridkv_cli.console import err, one_line_warnings, print_error, print_warning, status
+from hybridkv_cli.errors import HybridKVError, UsageError, one_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Answer questions about videos and image sets with Qwen2.5-VL under a KV-cache budget.")
-err = Console(stderr=True)
 _state = {"debug": False}
 
 # Options shared by `ask` and `profile`, declared once.
@@ -49,7 +52,7 @@ JSON = typer.Option(False, "--json", help="Print one JSON object on stdout (one 
 DEBUG = typer.Option(False, help="Show tracebacks.")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bar or status spinners on stderr (errors and "
                      "warnings still show).")
-# Options of runs over many inputs (see hybridkv_cli/pipeline.py).
+# Options of runs over many inputs (see hybridkv_cli/batch.py).
 EACH = typer.Option(False, "--each", help="Each media argument is its own input (a directory: each video/image "
                     "file in it, natural order), all with the same question and one model load.")
 JSONL = typer.Option(False, "--jsonl", help="Print one JSON line per input on stdout as soon as it is done; a failed "
@@ -75,20 +78,11 @@ ASK_HELP = (
 )
 
 
-def _clean_message(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _status(quiet: bool):
-    """A stage callback for pipeline.Runner: a transient spinner on stderr (none when quiet)."""
-    return (lambda message: nullcontext()) if quiet else (lambda message: err.status(escape(message)))
-
-
 def _split_args(args: list[str] | None, context: str | None,
                 alternative: str = "(or --context FILE and the question)") -> tuple[list[str], str]:
     """(media paths, question) from MEDIA... QUESTION; with --context only the question.
     ``alternative`` names the other way to give an input, in the error."""
-    from hybridkv_cli.pipeline import clean_question
+    from hybridkv_cli.questions import clean_question
 
     args = args or []
     if context is not None:
@@ -99,21 +93,6 @@ def _split_args(args: list[str] | None, context: str | None,
         raise UsageError(f"give one or more media files (or a directory) followed by the question {alternative}",
                          "arguments")
     return list(args[:-1]), clean_question(args[-1])
-
-
-def _prepare(args, context, model, device, dtype, frames, fps, max_pixels, quiet=False):
-    """Validate the arguments, then read the input (cheap, first) and load the model."""
-    from hybridkv_cli.media import load_media
-    from hybridkv_cli.models import load_model, max_pixels_for
-    from hybridkv_cli.pipeline import read_context
-
-    paths, question = _split_args(args, context)
-    max_pixels = max_pixels_for(model, max_pixels)
-    media = load_media(paths, frames=frames, fps=fps, max_pixels=max_pixels) if paths else None
-    text = read_context(context) if context is not None else None
-    with _status(quiet)(f"loading {model} ..."):
-        loaded = load_model(model, device=device, dtype=dtype)
-    return media, text, question, loaded
 
 
 @app.command(help=ASK_HELP)
@@ -130,22 +109,24 @@ def ask(
     output: Optional[Path] = OUTPUT, resume: bool = RESUME, quiet: bool = QUIET, debug: bool = DEBUG,
     context: Optional[str] = CONTEXT,
 ):
-    from hybridkv_cli.pipeline import AskOptions, Item, Runner, plan_inputs, read_context, run_batch
+    from hybridkv_cli.batch import run_batch
+    from hybridkv_cli.inputs import Item, plan_inputs, read_context
+    from hybridkv_cli.session import AskOptions, Session
 
     _state["debug"] = debug
     paths, question = _split_args(args, context)
     if context is not None and (each or output is not None):
         raise UsageError("--context is one text input; --each and --output take media inputs", "--context")
     if "\n" not in question and len(question) < 4096 and os.path.exists(question):
-        err.print(f"[yellow]warning:[/yellow] the question '{escape(question)}' is an existing path; the question "
-                  "comes last (MEDIA... QUESTION)", highlight=False, soft_wrap=True)
+        print_warning(f"the question '{question}' is an existing path; the question comes last (MEDIA... QUESTION)")
     options = AskOptions(
         model=model, device=device, dtype=dtype, method=method, frames=frames, fps=fps, max_pixels=max_pixels,
         max_new_tokens=max_new_tokens, defer_question=defer_question,
         method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
                             chunk_size=chunk_size, sinks=sinks, page_size=page_size, head_scores=head_scores),
     )
-    policy = options.policy()  # validates --method, --budget, ... before any input is read
+    session = Session(options, stage=status(quiet))
+    policy = session.policies.first()  # validates --method, --budget, ... before any input is read
     for flag, value, name in (("--sinks", sinks, "sinks"), ("--page-size", page_size, "page_size"),
                               ("--head-scores", head_scores, "head_scores")):
         if value is not None and name not in policy.options():
@@ -160,9 +141,8 @@ def ask(
 
     if not batch or context is not None:  # one input: errors are raised, the report is rendered
         text = read_context(context) if context is not None else None
-        runner = Runner(options, stage=_status(quiet))
         try:
-            result = runner.answer(Item(tuple(paths)), question, context=text)
+            result = session.answer(Item(tuple(paths)), question, context=text)
         except UsageError as e:
             if len(paths) > 1 and "one video per prompt" in e.reason:
                 e.reason += "; add --each to ask the question about each file separately"
@@ -182,9 +162,9 @@ def ask(
         err.print("reading media paths from stdin, one per line (end with Ctrl-D) ...")
     items = plan_inputs(paths, each=each, stdin=sys.stdin)
     if not items:
-        err.print("[yellow]warning:[/yellow] no input paths on stdin; nothing to do", highlight=False)
+        print_warning("no input paths on stdin; nothing to do")
         return 0
-    summary = run_batch(items, question, Runner(options), console=err, jsonl=sys.stdout if jsonl else None,
+    summary = run_batch(items, question, session, console=err, jsonl=sys.stdout if jsonl else None,
                         human=Console() if not jsonl and output is None else None, output=output, resume=resume,
                         quiet=quiet, debug=debug)
     return summary.exit_code
@@ -203,8 +183,10 @@ def profile(
 ):
     """Per-head sparsity and classes, the budget allocation, and a budget sweep with fidelity."""
     from hybridkv_cli.compression import make_policy
+    from hybridkv_cli.inputs import Item, read_context
     from hybridkv_cli.profile import profile as run_profile
     from hybridkv_cli.report import render_profile, save_heatmap
+    from hybridkv_cli.session import AskOptions, Session
 
     _state["debug"] = debug
     try:
@@ -213,11 +195,16 @@ def profile(
         raise UsageError(f"not a comma-separated list of numbers: '{budgets}'", "--budgets") from None
     for b in (*sweep, budget):
         make_policy("hybridkv", budget=b)  # validates the range
-    media, text, question, loaded = _prepare(args, context, model, device, dtype, frames, fps, max_pixels, quiet)
-    with (nullcontext() if quiet else err.status("profiling ...")) as status:
+    paths, question = _split_args(args, context)
+    session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
+                                 max_pixels=max_pixels, max_new_tokens=max_new_tokens), stage=status(quiet))
+    media = session.load_media(paths) if paths else None  # cheap checks first, then the model
+    text = read_context(context) if context is not None else None
+    prepared = session.prepare(media, question, context=text, source=Item(tuple(paths)).key if paths else None)
+    with (nullcontext() if quiet else err.status("profiling ...")) as spinner:
         result = run_profile(
-            loaded, media, question, context=text, budget=budget, budgets=sweep, max_new_tokens=max_new_tokens,
-            on_run=lambda label: status and status.update(f"profiling: {label} ..."),
+            session, prepared, budget=budget, budgets=sweep,
+            on_run=lambda label: spinner and spinner.update(f"profiling: {label} ..."),
             window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
         )
     if out is not None:
@@ -264,7 +251,8 @@ def bench(
 ):
     from hybridkv_cli.bench import Task, parse_budgets, parse_methods, read_tasks, run_bench
     from hybridkv_cli.bench_report import render_bench, save
-    from hybridkv_cli.pipeline import AskOptions, Item, Runner
+    from hybridkv_cli.inputs import Item
+    from hybridkv_cli.session import AskOptions, Session
 
     _state["debug"] = debug
     names, sweep = parse_methods(methods), parse_budgets(budgets)
@@ -275,11 +263,12 @@ def bench(
     else:
         paths, question = _split_args(args, None, alternative="(or --tasks FILE)")
         inputs = [Task(Item(tuple(paths)).key, question, tuple(answer or ()), media=tuple(paths))]
-    loaded = Runner(AskOptions(model=model, device=device, dtype=dtype), stage=_status(quiet)).model()
-    result = run_bench(loaded, inputs, names, sweep, max_new_tokens=max_new_tokens, frames=frames, fps=fps,
-                       max_pixels=max_pixels, console=err, quiet=quiet, debug=debug, window=window, theta=theta,
-                       sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
-                       defer_question=defer_question)
+    session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
+                                 max_pixels=max_pixels, max_new_tokens=max_new_tokens,
+                                 defer_question=defer_question), stage=status(quiet))
+    session.model()
+    result = run_bench(session, inputs, names, sweep, console=err, quiet=quiet, debug=debug, window=window,
+                       theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size)
     if out is not None:
         err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
     if as_json:
@@ -298,10 +287,6 @@ def methods():
         print(f"{name:14s} {(cls.__doc__ or '').strip().splitlines()[0]}")
 
 
-def _print_error(message: str) -> None:
-    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
-
-
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv`` (default: sys.argv) and return the exit status: 0 ok, 1 runtime
     failure, 2 usage error, 130 interrupted. Every error is one line on stderr (``--debug``:
@@ -311,20 +296,15 @@ def run(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - older typer on the real click
         import click
 
-    from hybridkv_cli.pipeline import one_line_warnings
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _state["debug"] = False
-    def warn(line: str) -> None:
-        err.print(f"[yellow]warning:[/yellow] {escape(line)}", highlight=False, soft_wrap=True)
-
-    with one_line_warnings(warn):
+    with one_line_warnings():
         try:
             code = app(args=argv, prog_name="hybridkv", standalone_mode=False)
         except HybridKVError as e:
             if _state["debug"]:
                 raise
-            _print_error(str(e))
+            print_error(str(e))
             return e.exit_code
         except (KeyboardInterrupt, typer.Abort):
             err.print("interrupted")
@@ -334,10 +314,10 @@ def run(argv: list[str] | None = None) -> int:
             return 2
         except click.exceptions.UsageError as e:
             where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
-            _print_error(_clean_message(e.format_message()) + where)
+            print_error(one_line(e.format_message(), limit=None) + where)
             return e.exit_code
         except click.exceptions.ClickException as e:
-            _print_error(_clean_message(e.format_message()))
+            print_error(one_line(e.format_message(), limit=None))
             return e.exit_code
         except BrokenPipeError:  # stdout closed early (e.g. `| head -1`): stop quietly
             try:
@@ -348,7 +328,7 @@ def run(argv: list[str] | None = None) -> int:
         except Exception as e:  # anything unexpected: still one line unless --debug
             if _state["debug"]:
                 raise
-            _print_error(f"{type(e).__name__}: {_clean_message(e)} (run with --debug for the traceback)")
+            print_error(f"{type(e).__name__}: {one_line(e, limit=None)} (run with --debug for the traceback)")
             return 1
     return code if isinstance(code, int) else 0
 

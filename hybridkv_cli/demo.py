@@ -1,32 +1,38 @@
-"""The offline demo: its processor (a BPE tokenizer trained at build time, the real Qwen2-VL image
-and video processors, the Qwen2.5-VL chat template) and its two tiny Qwen2.5-VL models.
+"""The offline demo: its processor (a byte-level BPE tokenizer shipped as a file, the real Qwen2-VL
+image and video processors, the Qwen2.5-VL chat template) and its two tiny Qwen2.5-VL models.
 
 * :func:`build_trained_demo`: the trained-demo config (:data:`TRAINED_TEXT`, :data:`TRAINED_VISION`)
-  with weights trained from scratch by ``scripts/train_demo.py`` on the synthetic video / image-set
-  questions of :mod:`hybridkv_cli.synthetic`, read from ``weights/demo.safetensors`` in this
+  with weights trained from scratch by ``python -m training.train_demo`` on the synthetic video /
+  image-set questions of ``training/synthetic.py``, read from ``weights/demo.safetensors`` in this
   package (see docs/demo_model.md). ``--model demo`` loads it when that file is present.
 * :func:`build_demo`: the deterministic random model with shaped attention heads (no files; used
   by the tests; ``--model demo-random``, and ``--model demo`` while no trained weights are
   shipped); see :func:`build_demo` for what the weights look like. Its answers are noise.
+
+Both read the tokenizer from ``weights/demo_tokenizer.json`` (vocabulary and merges, written by
+``python -m training.demo_tokenizer``).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import functools
-import itertools
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import ModelError
-from .models import DEMO_NAME, LoadedModel, resolve_device, resolve_dtype
+from hybridkv_cli.errors import ModelError
+from hybridkv_cli.loaded import LoadedModel, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:  # pragma: no cover - imports for annotations only
     from transformers import Qwen2_5_VLProcessor
 
+DEMO_NAME = "demo"  # the trained demo while its weights ship, else the random one
+RANDOM_NAME = "demo-random"
+WEIGHTS = Path(__file__).resolve().parent / "weights"
+DEMO_TOKENIZER = WEIGHTS / "demo_tokenizer.json"
 DEMO_SEED = 0
 # --------------------------------------------------------------------------------------------
 # the demo processor
@@ -73,168 +79,16 @@ QWEN25VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Qwen2's pre-tokenisation regex (the same one transformers' Qwen2Tokenizer uses).
-_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-
-_CORPUS_TEXT = """\
-You are a helpful assistant. Answer the question about the video or the images. Describe what
-happens in the video. What is the man holding in his right hand? Which image shows a dog? How many
-people are in the room? What color is the car that drives past the house? Where does the woman go
-after she leaves the kitchen? Why does the child start to laugh? When does the light turn green?
-The video shows a person walking along a river at sunset. A small dog runs after a red ball and
-brings it back to the boy. Two men are playing chess in a quiet park while birds sit on the bench.
-A woman opens the door, takes off her coat, and sits down at the table to read a letter. The camera
-moves slowly from the left to the right and then zooms in on the face of an old man who is smiling.
-In the first image there is a cat sleeping on a blue sofa; in the second image a bicycle leans
-against a wall; in the third image three children are building a sand castle on the beach.
-The answer is yes. The answer is no. The answer is A. The answer is B. The answer is C. The answer
-is D. There are two cars, four trees, one house and seven birds in the picture. The scene takes
-place at night in a busy city street with bright lights, tall buildings and many people. First the
-chef cuts the onions, then he heats the oil in a pan, adds the vegetables and stirs them for five
-minutes before he serves the food on a white plate. The weather is cold and it is raining. The
-train arrives at the station, the doors open and the passengers get off with their bags.
-Please watch the whole clip carefully before you answer. Look at each frame and find the moment
-when the ball hits the window. The key is hidden under the green box next to the lamp. The number
-written on the board is 42981. The sign says "Closed on Sunday". The video is about cooking, sports,
-travel, music, animals, science, history, and everyday life. Summarize the main events in order.
-Is the statement true or false? Choose the best option from the list below and answer with the
-letter only. Options: (A) a kitchen (B) a garden (C) an office (D) a classroom. The speaker explains
-how the machine works, points at the screen, and asks the audience a question. At the end of the
-video everyone claps and the music stops. It was a sunny morning; the market was full of fruit,
-bread, fish, cheese, flowers and noisy sellers. She wrote 3 words, 15 numbers, and 1,024 lines.
-"""
-
-_SUBJECTS = (
-    "the man", "the woman", "a child", "the dog", "a cat", "the player", "the driver", "the teacher",
-    "a bird", "the camera", "the robot", "my friend", "our team", "the girl", "the boy", "a horse",
-)
-_VERBS = (
-    "walks", "runs", "jumps", "looks", "points", "waits", "sits", "stands", "drives", "turns",
-    "opens", "closes", "throws", "catches", "pushes", "pulls", "reads", "writes", "sings", "dances",
-)
-_PLACES = (
-    "in the kitchen", "near the window", "on the street", "at the station", "in the garden",
-    "behind the door", "under the table", "across the bridge", "on the beach", "in the office",
-    "at the market", "inside the car", "on the stage", "in the forest", "by the river", "on the roof",
-)
-_TIMES = ("at first", "then", "after that", "finally", "suddenly", "later", "again", "slowly")
-_COLORS = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple", "brown", "gray")
-_THINGS = ("ball", "box", "hat", "bag", "book", "cup", "phone", "chair", "lamp", "key", "door", "car")
-# Common English words, so that the trained vocabulary reaches ~1.5k entries.
-_WORDS = """
-about above across action actually add address after afternoon again against age ago agree air all
-allow almost alone along already also always among amount and angle animal another answer any
-anyone anything appear apple area arm around arrive art article ask attack attention audience
-autumn away baby back bad bake balance band bank base basket bath bear beautiful because become
-bed before begin behind believe bell below belt bench best better between big bike bill bit bitter
-blanket block blood board boat body bone border bottle bottom bowl brain branch brave bread break
-breakfast bridge bright bring broad brother brush build burn bus business busy butter button buy
-cake call calm camp candle capital captain card care careful carry case castle catch cause ceiling
-center certain chain chalk chance change chapter cheap check cheese chicken chief choice choose
-church circle city class clean clear climb clock cloth cloud coast coat coffee coin cold collect
-college comb come comfort common company compare complete computer condition contain control cook
-cool copy corner correct cost cotton count country course cousin cover cow crack crowd cry cup
-curtain cut daily damage danger dark date daughter day dead deal dear decide deep degree describe
-desert design desk detail develop dictionary different difficult dinner direction dirty discover
-dish distance divide doctor dollar double down draw dream dress drink drop dry duck during dust
-each ear early earth east easy eat edge egg eight either electric elephant else empty end enemy
-energy engine enjoy enough enter equal error evening event every exact example except excite
-exercise expect experience explain eye face fact factory fail fair fall false family famous far farm
-fast fat father fear feather feel fence few field fight figure fill film find fine finger finish
-fire first fish fit five flag flat floor flower fly fold follow food foot force foreign forget fork
-form forward four free fresh friend front fruit full fun funny future game garden gate gather
-general gentle get gift give glad glass glove goal gold good government grand grass great ground
-group grow guard guess guest guide gun hair half hall hammer hand hang happen happy hard head health
-hear heart heat heavy help here high hill history hold hole holiday home honest hope horse hospital
-hot hotel hour house however huge human hundred hungry hurry husband ice idea important inch
-increase indeed information inside instead interest invent iron island jacket job join journey
-juice jump just keep kind king kiss kitchen knee knife knock know lady lake land language large
-last late laugh law lazy lead leaf learn leave left leg lesson letter level library lie life lift
-light like line lion lip list listen little live lock long lose loud love low lucky lunch machine
-main make many map mark market marry match matter meal mean measure meat medicine meet member memory
-metal middle milk mind minute mirror miss mistake modern moment money monkey month moon more morning
-mother mountain mouse mouth move much museum music must name narrow nation nature near neck need
-needle neighbor nest net never new news next nice night nine noise none noon north nose note nothing
-notice now number nurse object ocean offer often oil old once only open opinion orange order other
-outside over own page pain paint pair paper parent park part party pass past path pay peace pen
-pencil people pepper perhaps person picture piece pig pink place plan plane plant plate play please
-pocket poem point police pool poor popular position possible potato pound powder power present
-pretty price print prison private prize problem produce promise proud public pull pupil purple push
-put queen quick quiet race radio rain raise reach ready real reason receive record rest rice rich
-ride right ring rise road rock roll room root rope rose round row rule run sad safe sail salt same
-sand save say school science sea season seat second secret see seed seem sell send sense sentence
-serve set seven shade shake shape share sharp sheep shelf shine ship shirt shoe shop short shoulder
-shout show shut sick side sign silver simple since sing sister size skin sky sleep slow small smell
-smile smoke snake snow soap soft soldier some son song soon sorry sound soup south space speak
-special speed spend spoon sport spring square stair stamp star start state stay steal steel step
-stick still stone stop store storm story straight strange street strong student study sugar summer
-sun supper sure surprise sweet swim table tail take talk tall taste tea teach tear telephone tell
-ten tent test than thank thick thin thing think third thirsty thousand three through throw thumb
-ticket tidy tie tiger time tiny tired today together tomorrow tongue tonight tool tooth top touch
-towel tower town toy traffic travel tree trouble truck true try turn twelve twenty type ugly umbrella
-uncle under understand uniform until upon upstairs use useful usual valley value vegetable very
-village visit voice wait wake walk wall want war warm wash watch water wave way weak wear week weight
-welcome well west wet wheel when where which while whisper wide wife wild win wind wine winter wish
-woman wonder wood wool word work world worry write wrong yard year yellow yesterday young zero zoo
-""".split()
-
-
-@functools.lru_cache(maxsize=1)
-def _demo_corpus() -> tuple[str, ...]:
-    """A deterministic English training corpus: the text above plus generated sentences."""
-    prose = [line for line in _CORPUS_TEXT.splitlines() if line.strip()]
-    lines = prose * 4  # weight the prompt-like prose over the word lists
-    for i, (subject, verb, place) in enumerate(itertools.product(_SUBJECTS, _VERBS, _PLACES)):
-        if i % 7:  # a deterministic 1-in-7 subset keeps the corpus small
-            continue
-        time = _TIMES[i % len(_TIMES)]
-        color = _COLORS[i % len(_COLORS)]
-        thing = _THINGS[(i // 3) % len(_THINGS)]
-        lines.append(f"{time.capitalize()} {subject} {verb} {place} with the {color} {thing}.")
-        lines.append(f"Question: what does {subject} do {place}? Answer: {subject} {verb}. Frame {i % 97}.")
-    n = len(_WORDS)
-    for i, word in enumerate(_WORDS):  # every word a few times, in different company
-        a, b = _WORDS[(i * 7 + 3) % n], _WORDS[(i * 13 + 5) % n]
-        lines.append(f"The {word} and the {a}. A {b} {word}s near the {word}. {word.capitalize()}, {a}, {b}!")
-    return tuple(lines)
-
-
-DEMO_BPE_VOCAB = 1900
-
 
 @functools.lru_cache(maxsize=1)
 def _demo_bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
-    """Train the demo byte-level BPE (cached per process; deterministic)."""
-    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
-    from tokenizers.models import BPE
-
-    tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=DEMO_BPE_VOCAB,
-        min_frequency=2,
-        special_tokens=[ENDOFTEXT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_demo_corpus(), trainer=trainer)
-    model = json.loads(tok.to_str())["model"]
-    merges = tuple(tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"])
-    return dict(model["vocab"]), merges
+    """The shipped BPE: (vocabulary, merges), read once per process."""
+    data = json.loads(DEMO_TOKENIZER.read_text(encoding="utf-8"))
+    return data["vocab"], tuple(tuple(m) for m in data["merges"])
 
 
 def build_demo_tokenizer():
-    """The demo ``Qwen2Tokenizer``: trained BPE + the Qwen chat special tokens as added tokens."""
+    """The demo ``Qwen2Tokenizer``: the shipped BPE + the Qwen chat special tokens as added tokens."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
@@ -311,7 +165,7 @@ DEMO_VISION = dict(
 
 
 # The trained demo (``--model demo``): same processor and model class, its own config, weights
-# trained by scripts/train_demo.py on hybridkv_cli.synthetic tasks (docs/demo_model.md). The text
+# trained by training/train_demo.py on training/synthetic.py tasks (docs/demo_model.md). The text
 # model keeps the random demo's geometry (GQA 4 query / 2 KV heads, head dim 32, mRoPE sections
 # summing to 16) with a wider MLP; the vision tower has three blocks (two windowed, one full).
 TRAINED_TEXT = dict(
@@ -327,7 +181,7 @@ TRAINED_VISION = dict(
     initializer_range=0.02,
 )
 TRAINED_WEIGHTS = "weights/demo.safetensors"  # relative to this package
-TRAINED_MAX_PIXELS = 112 * 112  # its frames and images (hybridkv_cli.synthetic): 16 visual tokens each
+TRAINED_MAX_PIXELS = 112 * 112  # its frames and images (training/synthetic.py): 16 visual tokens each
 
 
 def demo_config(tokenizer, *, trained: bool = False) -> "Any":
@@ -439,7 +293,7 @@ def _assemble(trained: bool, device, dtype, seed: int, set_weights) -> LoadedMod
     model.generation_config = _generation_config(config, tok)
     model.to(device=dev, dtype=dt).eval()
     # The trained demo's answers are real; the "answers are noise" note is for the random one.
-    return LoadedModel(model=model, processor=processor, name=DEMO_NAME, device=dev, dtype=dt, is_demo=not trained)
+    return LoadedModel(model=model, processor=processor, name=DEMO_NAME, device=dev, dtype=dt, random_weights=not trained)
 
 
 def _generation_config(config, tok):
@@ -461,14 +315,14 @@ def build_trained_demo(
 ) -> LoadedModel:
     """The trained demo: :data:`TRAINED_TEXT` / :data:`TRAINED_VISION` + the shipped weights.
 
-    ``is_demo`` is False: its answers are real (the "answers are noise" note is for
+    ``random_weights`` is False: its answers are real (the "answers are noise" note is for
     ``demo-random``). The global torch RNG state is left untouched.
     """
     from safetensors.torch import load_file
 
     path = Path(weights) if weights is not None else trained_weights_path()
     if not path.is_file():
-        raise ModelError(f"trained demo weights missing ({path}); run scripts/train_demo.py, "
+        raise ModelError(f"trained demo weights missing ({path}); run training/train_demo.py, "
                          "or use --model demo-random", source=DEMO_NAME)
     # fp16 on disk, cast into the fp32 parameters; the random init it replaces is seeded anyway
     return _assemble(True, device, dtype, DEMO_SEED,
@@ -484,13 +338,17 @@ def serves_trained(name: str) -> bool:
     return name == DEMO_NAME and trained_weights_path().is_file()
 
 
-def load_demo(name: str, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def frame_pixels(name: str) -> int | None:
+    """The pixels per frame the demo ``name`` reads unless told otherwise: the trained demo learned
+    on 112 x 112 frames, which Qwen's video minimum would upscale 3x; None for the random one."""
+    return TRAINED_MAX_PIXELS if serves_trained(name) else None
+
+
+def load_demo(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """``demo``: the trained demo when its weights ship with the package, else the random one;
-    ``demo-random``: the random one (see :data:`hybridkv_cli.models.DEMO_NAMES`)."""
+    ``demo-random``: the random one."""
     if serves_trained(name):
         return build_trained_demo(device=device, dtype=dtype)
     loaded = build_demo(device=device, dtype=dtype)
     loaded.name = name
     return loaded
-
-

@@ -34,3 +34,22 @@ class MediaError(HybridKVError):
 
 class ModelError(HybridKVError):
     """A model could not be loaded (not cached offline, bad directory, ...)."""
+
+
+class MediaWarning(UserWarning):
+    """A non-fatal notice about an input (skipped file, capped frame count, repaired output file).
+    Message: ``<path>: <what>``."""
+
+
+class ContextLengthError(HybridKVError):
+    """The prompt (+ the tokens to generate) does not fit the model's context window."""
+
+
+class OutOfMemoryError(HybridKVError):
+    """The device (or host) ran out of memory on this input."""
+
+
+def one_line(value, limit: int | None = 400) -> str:
+    """``value`` as one line (whitespace runs collapsed) of at most ``limit`` characters (None: any)."""
+    text = " ".join(str(value).split())
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."

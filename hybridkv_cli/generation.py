@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
 from hybridkv_cli.compression import Policy
-from hybridkv_cli.compression.cache import PolicyCache, use_policy_attention
+from hybridkv_cli.compression.cache import PolicyCache, policy_attention
 from hybridkv_cli.prompt import Prompt
 
 
@@ -51,7 +51,6 @@ class Generation:
     cache: PolicyCache
     device_bytes_after_prefill: int
     cuda_peak_bytes: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def question_length(prompt: Prompt) -> int:
@@ -69,10 +68,11 @@ def generate(model, prompt: Prompt, policy: Policy, max_new_tokens: int = 128,
     token per step, as a question about an already-compressed video would (the policy cannot
     see it when it decides). The prompt tokens and the full-cache answer are the same.
 
-    The device-byte count after prefill is read when the first token arrives (deferred: when
-    the prefix is compressed), before any later token is appended.
+    Either way the answer is decoded by one loop, transformers' own greedy ``generate`` (its
+    end-of-sequence rule, and its logits processors from the model's generation config), and
+    every token is timed when it arrives. The device-byte count after prefill is read when the
+    prompt (deferred: its media part) has been compressed, before any later token is appended.
     """
-    use_policy_attention(model)
     device = model.device
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
     cut = prompt.length - (question_length(prompt) if defer_question else 0)
@@ -82,51 +82,38 @@ def generate(model, prompt: Prompt, policy: Policy, max_new_tokens: int = 128,
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
-    with torch.inference_mode(), cache.active():
-        decode = _decode if cut == prompt.length else _decode_after
-        tokens, stamps, after_prefill = decode(model, inputs, cut, cache, max_new_tokens)
-    stamps = [start, *stamps]
+    with torch.inference_mode(), policy_attention(model):
+        after_prefill = _feed_prefix(model, inputs, cut, cache) if cut < prompt.length else None
+        measured: list[int] = []
+        clock = StepClock(device, on_first_token=lambda: measured.append(
+            cache.device_bytes() if after_prefill is None else after_prefill))
+        out = model.generate(**(inputs if cut == prompt.length else _per_token(inputs)), cache=cache,
+                             max_new_tokens=max_new_tokens, do_sample=False, streamer=clock, use_cache=True)
+    stamps = [start, *clock.stamps]
     return Generation(
-        tokens=tokens,
+        tokens=out[0, prompt.length:].tolist(),
         prefill_s=stamps[1] - stamps[0] if len(stamps) > 1 else 0.0,
         step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
         cache=cache,
-        device_bytes_after_prefill=cache.device_bytes() if after_prefill is None else after_prefill,
+        device_bytes_after_prefill=measured[0] if measured else cache.device_bytes(),
         cuda_peak_bytes=torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None,
     )
 
 
-def _decode(model, inputs: dict, cut: int, cache: PolicyCache, max_new_tokens: int):
-    """``model.generate`` over the whole prompt: (new tokens, a stamp per token, device bytes
-    when the first token arrived)."""
-    after_prefill: list[int] = []
-    clock = StepClock(model.device, on_first_token=lambda: after_prefill.append(cache.device_bytes()))
-    out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                         streamer=clock, use_cache=True)
-    return out[0, cut:].tolist(), clock.stamps, after_prefill[0] if after_prefill else None
+def _per_token(inputs: dict) -> dict:
+    """The per-token tensors of ``inputs`` (ids, attention mask, token types), not the pixels."""
+    shape = inputs["input_ids"].shape
+    return {k: v for k, v in inputs.items() if torch.is_tensor(v) and v.shape == shape and not v.is_floating_point()}
 
 
-def _decode_after(model, inputs: dict, cut: int, cache: PolicyCache, max_new_tokens: int):
-    """Prefill the first ``cut`` prompt tokens, then feed the rest one per step and decode
-    greedily (``model.generate`` would prefill them all at once). Same returns as :func:`_decode`."""
-    device = model.device
+def _feed_prefix(model, inputs: dict, cut: int, cache: PolicyCache) -> int:
+    """Prefill the first ``cut`` prompt tokens (compressed as they go), then feed the rest but
+    the last one token per step; ``generate`` reads the last one. Returns the device bytes
+    right after the compressed prefill."""
     ids = inputs["input_ids"]
-    prefix = {k: v[:, :cut] if torch.is_tensor(v) and v.shape == ids.shape and not v.is_floating_point() else v
-              for k, v in inputs.items()}  # the per-token tensors: ids, attention mask, token types
-    eos = model.generation_config.eos_token_id
-    eos = set([eos] if isinstance(eos, int) else eos or [])
-
-    def step(**kw) -> int:
-        return int(model(**kw, cache=cache, use_cache=True).logits[0, -1].argmax())
-
-    step(**prefix)
+    prefix = {k: v[:, :cut] if k in _per_token(inputs) else v for k, v in inputs.items()}
+    model(**prefix, cache=cache, use_cache=True)
     after_prefill = cache.device_bytes()
-    for token in ids[0, cut:]:
-        nxt = step(input_ids=token.view(1, 1))
-    tokens, stamps = [], [now(device)]
-    while True:
-        tokens.append(nxt)
-        if nxt in eos or len(tokens) >= max_new_tokens:
-            return tokens, stamps, after_prefill
-        nxt = step(input_ids=torch.tensor([[nxt]], device=device))
-        stamps.append(now(device))
+    for token in ids[0, cut:-1]:
+        model(input_ids=token.view(1, 1), cache=cache, use_cache=True)
+    return after_prefill

@@ -2,41 +2,37 @@
 
 from __future__ import annotations
 
-from hybridkv_cli.api import ask
+from hybridkv_cli.compression import make_policy
 from hybridkv_cli.fidelity import rouge_l
-from hybridkv_cli.media import MediaInput
-from hybridkv_cli.models import LoadedModel
+from hybridkv_cli.session import Prepared, Session
 
 SWEEP_BUDGETS = (0.05, 0.1, 0.2, 0.4, 1.0)
 
 
 def profile(
-    loaded: LoadedModel,
-    media: MediaInput | None,
-    question: str,
+    session: Session,
+    prepared: Prepared,
     *,
-    context: str | None = None,
     budget: float = 0.1,
     budgets: tuple[float, ...] = SWEEP_BUDGETS,
-    max_new_tokens: int = 32,
     on_run=None,
     **options,
 ) -> dict:
-    """Classify the heads on ``media`` (or the text ``context``) + ``question`` and sweep HybridKV
-    over ``budgets``.
+    """Classify the heads on the prepared input and sweep HybridKV over ``budgets``.
 
     Every answer is compared with the full-cache answer (ROUGE-L F1 = fidelity). ``on_run``
-    is called with a short label before each generation (for progress display).
+    is called with a short label before each generation (for progress display); ``options``
+    are HybridKV's parameters (window, theta, ...).
     """
-    def run(label: str, **kw) -> dict:
+    def run(label: str, method: str, **kw) -> dict:
         if on_run:
             on_run(label)
-        return ask(loaded, media, question, context=context, max_new_tokens=max_new_tokens, **options, **kw)
+        return session.run(prepared, make_policy(method, **options, **kw))
 
-    reference = run("full", method="full")
+    reference = run("full", "full")
     sweep = []
     for b in sorted({*budgets, budget}):
-        result = run(f"hybridkv b={b:g}", method="hybridkv", budget=b)
+        result = run(f"hybridkv b={b:g}", "hybridkv", budget=b)
         if b == budget:
             main = result
         sweep.append({
@@ -50,7 +46,7 @@ def profile(
         })
     return {
         "input": main["input"],
-        "question": question,
+        "question": prepared.question,
         "budget": budget,
         "heads": main["heads"],
         "reference": {
@@ -59,8 +55,8 @@ def profile(
             "ms_per_token_mean": reference["decode"]["ms_per_token_mean"],
         },
         "sweep": sweep,
-        "model": loaded.name,
-        "device": str(loaded.device),
+        "model": main["model"],
+        "device": main["device"],
         "dtype": main["dtype"],
         "note": main["note"],
     }

@@ -1,16 +1,62 @@
-"""Turn media + a question, or a text context + a question, into model inputs and token roles."""
+"""Turn media + a question, or a text context + a question, into model inputs and token roles.
+
+The chat template is rendered once per prompt, with a marker where the question goes; the
+question is tokenised on its own and spliced in (so chat-template strings in it stay text).
+"""
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hybridkv_cli.errors import UsageError
 from hybridkv_cli.media import MediaInput
-from hybridkv_cli.models import IMAGE_KWARGS, video_kwargs
 
 VISUAL_PAD_TOKENS = ("<|image_pad|>", "<|video_pad|>")
+_MARKER = "\ue000"  # a private-use character: absent from any template, replaced after rendering
+
+#: ``images_kwargs`` for images already resized to multiples of 28 (patch 14 x merge 2): no second
+#: resize by the image processor.
+IMAGE_KWARGS: dict[str, Any] = {"do_resize": False}
+
+
+def video_kwargs(
+    fps: float | Sequence[float] | None = None, num_frames: int | Sequence[int] | None = None
+) -> dict[str, Any]:
+    """``videos_kwargs`` for ``(T, 3, H, W)`` uint8 clips that media.py already sampled and sized.
+
+    ``do_sample_frames=False`` keeps every frame given; ``do_resize=False`` keeps the size (the
+    Qwen2-VL video processor would otherwise resize again and *upscale* small clips to its
+    100k-pixel minimum, e.g. 112x112 -> 336x336); ``cap_pixels_per_frame=False`` silences a
+    transformers 5.x deprecation warning.
+
+    ``fps`` is the rate of the frames *given* (frames kept per second of source video, e.g. 64
+    frames from a 32 s clip -> 2.0), one value per clip, with ``num_frames`` (T per clip). They
+    become ``video_metadata``, from which the processor computes ``second_per_grid_ts``
+    (= temporal_patch_size / fps, the temporal spacing of 3-D mRoPE). Without them transformers
+    assumes 24 fps. (A bare ``fps=`` processor kwarg does *not* do this: it is a sampling rate,
+    ignored when ``do_sample_frames=False``.)
+    """
+    kw: dict[str, Any] = {"do_sample_frames": False, "do_resize": False, "cap_pixels_per_frame": False}
+    if fps is not None:
+        fps_list = [float(fps)] if isinstance(fps, numbers.Real) else [float(f) for f in fps]
+        if num_frames is None:
+            raise ValueError("video_kwargs: pass num_frames together with fps")
+        if isinstance(num_frames, numbers.Integral):
+            frames = [int(num_frames)] * len(fps_list)
+        else:
+            frames = [int(n) for n in num_frames]
+        if len(frames) != len(fps_list):
+            raise ValueError("video_kwargs: one fps and one num_frames per clip")
+        kw["video_metadata"] = [
+            {"total_num_frames": n, "fps": f, "frames_indices": list(range(n)), "duration": n / f}
+            for f, n in zip(fps_list, frames)
+        ]
+    return kw
 
 
 @dataclass
@@ -19,6 +65,7 @@ class Prompt:
 
     inputs: dict
     visual: torch.Tensor  # BoolTensor [N]
+    role: str = "visual"  # what the non-text tokens are: "visual" (media) or "context" (a text prompt)
 
     @property
     def length(self) -> int:
@@ -49,8 +96,9 @@ def question_ids(tokenizer, question: str) -> list[int]:
 
 
 def question_standin(tokenizer, rendered: str) -> str | None:
-    """A single-token special token absent from ``rendered`` (the template with an empty
-    question), used as the question's placeholder while the processor runs; None if none fits."""
+    """A single-token special token absent from ``rendered`` (the template rendered once, the
+    question left out), used as the question's placeholder while the processor runs; None if none
+    fits."""
     added = tokenizer.get_added_vocab()
     specials = set(getattr(tokenizer, "all_special_tokens", ()))
     preferred = ("<|vision_pad|>", "<|endoftext|>")
@@ -76,12 +124,13 @@ def build_prompt(processor, media: MediaInput, question: str) -> Prompt:
     if not question:
         raise UsageError("the question is empty", "QUESTION")
     tokenizer = processor.tokenizer
-    standin = question_standin(tokenizer, chat_text(processor, media, ""))
+    rendered = chat_text(processor, media, _MARKER)
+    standin = question_standin(tokenizer, rendered)
     if standin is None:  # no spare special token (not the case for Qwen tokenizers)
         if any(t in question for t in tokenizer.get_added_vocab()):
             raise UsageError("the question contains chat-template tokens this tokenizer cannot escape", "QUESTION")
         standin = question
-    text = chat_text(processor, media, standin)
+    text = rendered.replace(_MARKER, standin)
     if media.kind == "video":
         # Frames are already sampled and sized by the media layer; their rate sets Qwen's temporal ids.
         kwargs = video_kwargs(fps=media.sample_fps or 2.0, num_frames=media.frames_used)
@@ -108,11 +157,10 @@ def build_text_prompt(tokenizer, context: str, question: str) -> Prompt:
     question, context = question.strip(), context.strip()
     if not question:
         raise UsageError("the question is empty", "QUESTION")
-    marker = "\ue000"  # a private-use character: absent from any template
-    turn = [{"role": "user", "content": marker}]
+    turn = [{"role": "user", "content": _MARKER}]
     rendered = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
-                if tokenizer.chat_template else marker)
-    head, tail = rendered.split(marker)
+                if tokenizer.chat_template else _MARKER)
+    head, tail = rendered.split(_MARKER)
     template = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
     before = template(head)
     ctx = question_ids(tokenizer, context + "\n\n") if context else []
@@ -120,7 +168,8 @@ def build_text_prompt(tokenizer, context: str, question: str) -> Prompt:
     visual = torch.zeros(len(ids), dtype=torch.bool)
     visual[len(before):len(before) + len(ctx)] = True
     input_ids = torch.tensor([ids])
-    return Prompt(inputs={"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}, visual=visual)
+    return Prompt(inputs={"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}, visual=visual,
+                  role="context")
 
 
 def _splice(inputs: dict, standin_id: int, ids: list[int]) -> dict:

@@ -1,25 +1,9 @@
-"""The result record (the JSON schema in README) and its human rendering."""
+"""Human rendering of result records (``ask``, ``profile``) and the head heatmap."""
 
 from __future__ import annotations
 
-import statistics
-
 from rich.console import Console
 from rich.table import Table
-
-DEMO_NOTE = "demo model: randomly initialised weights, the answer is meaningless"
-
-
-def latency_stats(step_s: list[float]) -> dict:
-    """Mean, p50 and p90 of per-token decode latency in milliseconds (None without steps)."""
-    if not step_s:
-        return {"ms_per_token_mean": None, "p50": None, "p90": None}
-    ms = sorted(s * 1e3 for s in step_s)
-
-    def pct(q: float) -> float:
-        return ms[min(len(ms) - 1, round(q * (len(ms) - 1)))]
-
-    return {"ms_per_token_mean": statistics.fmean(ms), "p50": pct(0.5), "p90": pct(0.9)}
 
 
 def human_bytes(n: int | None) -> str:

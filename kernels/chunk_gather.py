@@ -26,16 +26,11 @@ import torch
 from .dispatch import load_triton_module, next_power_of_2, resolve_backend
 
 __all__ = [
-    "GATHER_AUTO_ZERO_COPY",
     "chunk_gather",
     "chunk_gather_torch",
     "chunk_gather_triton",
     "gather_plan",
 ]
-
-# backend="auto" on CUDA uses the side-stream copy until the zero-copy kernel has been
-# validated and timed on a GPU (benchmarks/kernels_bench.py times both); flip to prefer it.
-GATHER_AUTO_ZERO_COPY = False
 
 _SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
@@ -153,10 +148,16 @@ def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, w
     """Zero-copy Triton path of :func:`chunk_gather` (see ``_chunk_gather_triton.py``).
 
     On CUDA the host tensors must be pinned (read through UVA); under the interpreter every
-    tensor is on the CPU. The only host sync is the final miss count.
+    tensor is on the CPU. The only host sync is the final miss count. Raises ``RuntimeError``
+    where Triton cannot run these tensors.
     """
-    _check(host_k, host_v, store_k, store_v, slot_base, resident, want)
     resolve_backend("triton", store_k)
+    return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want)
+
+
+def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want):
+    """:func:`chunk_gather_triton` once the backend is resolved."""
+    _check(host_k, host_v, store_k, store_v, slot_base, resident, want)
     if store_k.is_cuda and not (host_k.is_pinned() and host_v.is_pinned()):
         raise ValueError("zero-copy chunk_gather needs pinned host_k/host_v")
     H, C, c, d = host_k.shape
@@ -201,7 +202,7 @@ def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, ba
         :func:`chunk_topk` (then n = min(k, C)).
     backend : {"auto", "torch", "triton"}
         "triton" is the zero-copy kernel. "auto" on CUDA picks the side-stream torch copy
-        unless ``GATHER_AUTO_ZERO_COPY`` is set (zero-copy not yet validated on a GPU).
+        until the zero-copy kernel is validated on a GPU (see :mod:`hybridkv_kernels.dispatch`).
 
     Returns
     -------
@@ -209,10 +210,6 @@ def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, ba
         Bytes moved host -> device: misses x c x d x 2 x element size. 0 when every wanted
         chunk is already resident.
     """
-    name = resolve_backend(backend, store_k)
-    if name == "triton" and store_k.is_cuda and backend == "auto":
-        if not (GATHER_AUTO_ZERO_COPY and host_k.is_pinned() and host_v.is_pinned()):
-            name = "torch"
-    if name == "triton":
-        return chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want)
+    if resolve_backend(backend, store_k, op="chunk_gather") == "triton":
+        return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want)
     return chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want)

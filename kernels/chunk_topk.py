@@ -73,7 +73,7 @@ def chunk_topk_torch(q, landmarks, k, landmark_scale=None):
 def chunk_topk_triton(q, landmarks, k, landmark_scale=None, *, block_c=None, block_select=None,
                       return_scores=False):
     """Triton launcher of :func:`chunk_topk`: a scores kernel over (head, chunk block), then one
-    selection program per head.
+    selection program per head. Raises ``RuntimeError`` where Triton cannot run these tensors.
 
     Parameters (beyond the op's)
     ----------------------------
@@ -83,8 +83,14 @@ def chunk_topk_triton(q, landmarks, k, landmark_scale=None, *, block_c=None, blo
     return_scores : bool
         Also return the fp32 scores [H, C].
     """
+    resolve_backend("triton", q, landmarks)
+    return _launch(q, landmarks, k, landmark_scale, block_c=block_c, block_select=block_select,
+                   return_scores=return_scores)
+
+
+def _launch(q, landmarks, k, landmark_scale=None, *, block_c=None, block_select=None, return_scores=False):
+    """:func:`chunk_topk_triton` once the backend is resolved."""
     _check(q, landmarks, landmark_scale)
-    resolve_backend("triton", q, landmarks)  # clear error when the interpreter is not active
     mod = load_triton_module("_chunk_topk_triton")
     H, G, d = q.shape
     C = landmarks.shape[1]
@@ -138,5 +144,5 @@ def chunk_topk(q, landmarks, k, landmark_scale=None, backend="auto"):
         Chunk ids, sorted ascending per head. Ties: lowest id wins (see module docstring).
     """
     if resolve_backend(backend, q, landmarks) == "triton":
-        return chunk_topk_triton(q, landmarks, k, landmark_scale)
+        return _launch(q, landmarks, k, landmark_scale)
     return chunk_topk_torch(q, landmarks, k, landmark_scale)

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from .dispatch import load_triton_module, next_power_of_2, resolve_backend
+from .dispatch import load_triton_module, next_power_of_2, resolve_backend, triton_interpreting
 
 __all__ = [
     "dense_decode_attention",
@@ -136,7 +136,8 @@ def decode_split_heuristic(max_total: int, n_heads: int, block_n: int,
 def ragged_decode_attention_triton(q, keys, values, offsets, lengths, gen_k=None, gen_v=None,
                                    n_gen=0, scale=None, *, max_length=None, num_splits=None,
                                    block_n=None):
-    """Triton launcher of :func:`ragged_decode_attention` (split-KV + LSE merge).
+    """Triton launcher of :func:`ragged_decode_attention` (split-KV + LSE merge). Raises
+    ``RuntimeError`` where Triton cannot run these tensors.
 
     Parameters (beyond the op's)
     ----------------------------
@@ -146,10 +147,17 @@ def ragged_decode_attention_triton(q, keys, values, offsets, lengths, gen_k=None
     num_splits, block_n : int, optional
         Override the heuristics (tests use this to force several splits and blocks).
     """
+    resolve_backend("triton", q, keys)
+    return _launch(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, scale, max_length=max_length,
+                   num_splits=num_splits, block_n=block_n)
+
+
+def _launch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None, n_gen=0, scale=None, *, max_length=None,
+            num_splits=None, block_n=None):
+    """:func:`ragged_decode_attention_triton` once the backend is resolved."""
     _check(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen)
     H, G, d = q.shape
     dev = q.device
-    resolve_backend("triton", q, keys)  # clear error when the interpreter is not active
     mod = load_triton_module("_decode_attention_triton")
     scale = d ** -0.5 if scale is None else float(scale)
 
@@ -187,7 +195,7 @@ def ragged_decode_attention_triton(q, keys, values, offsets, lengths, gen_k=None
     out = torch.empty(H, G, d, dtype=out_dtype, device=dev)
     if H == 0:
         return out
-    upcast = mod.INTERPRET and keys.dtype == torch.bfloat16
+    upcast = triton_interpreting() and keys.dtype == torch.bfloat16
     prec = "ieee" if keys.dtype == torch.float32 else "tf32"
     mod.ragged_decode_stage1_kernel[(H, num_splits)](
         q, keys, values, gen_k, gen_v, offsets, lengths, o_part, lse_part,
@@ -244,8 +252,7 @@ def ragged_decode_attention(q, keys, values, offsets, lengths, gen_k=None, gen_v
         In q's dtype. A head with no rows at all (length 0 and n_gen 0) gets zeros.
     """
     if resolve_backend(backend, q, keys) == "triton":
-        return ragged_decode_attention_triton(q, keys, values, offsets, lengths, gen_k, gen_v,
-                                              n_gen, scale, max_length=max_length)
+        return _launch(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, scale, max_length=max_length)
     return ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen,
                                          scale)
 

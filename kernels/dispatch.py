@@ -1,45 +1,47 @@
-"""Backend selection and lazy loading of the Triton kernel modules.
+"""Backend selection and loading of the Triton kernel modules.
 
-Every public op takes ``backend="auto" | "torch" | "triton"``:
+Every public op takes ``backend="auto" | "torch" | "triton"`` and resolves it once per call,
+with :func:`resolve_backend`, the one place the rule lives:
 
 * ``"torch"``  -- the torch reference (also the production path on CPU).
 * ``"triton"`` -- the Triton kernel: compiled for CUDA tensors; for CPU tensors the Triton
   interpreter, which needs ``TRITON_INTERPRET=1`` (see below), else ``RuntimeError``.
 * ``"auto"``   -- Triton when the tensors are on CUDA and triton imports; Triton through the
   interpreter when the tensors are on the CPU and the interpreter is active; else torch.
-  One exception: ``chunk_gather`` on CUDA picks its torch side-stream copy under "auto" until
-  the zero-copy kernel has been validated on a GPU (``chunk_gather.GATHER_AUTO_ZERO_COPY``).
+  Ops in :data:`AUTO_TORCH_ON_CUDA` keep their torch path on CUDA: ``chunk_gather``'s zero-copy
+  kernel (host memory read through UVA) is not yet validated on a GPU, so its side-stream torch
+  copy serves until it is.
 
-The interpreter switch
-----------------------
-``@triton.jit`` picks compiled vs interpreted *when the decorator runs*, and that includes
-triton's own library functions (``tl.zeros``, ``tl.max``, ``tl.sum``, ``tl.cumsum`` are
-``@jit`` functions in ``triton/language/standard.py``). So the interpreter works only if
-``TRITON_INTERPRET=1`` was set before ``triton`` was first imported -- by anyone: importing
-the transformers Qwen2.5-VL model imports triton, for example. A process is therefore in one
-mode for good; :func:`triton_interpreting` reports which, by looking at how triton's own
-library was built (not at the environment, which may have changed since).
+The interpreter mode
+--------------------
+``@triton.jit`` picks compiled vs interpreted *when the decorator runs*, from
+``TRITON_INTERPRET``, and that includes triton's own library functions (``tl.zeros``,
+``tl.max``, ``tl.sum``, ``tl.cumsum`` are ``@jit`` functions in ``triton/language/standard.py``).
+So the interpreter works only if ``TRITON_INTERPRET=1`` was set before ``triton`` was first
+imported -- by anyone: importing the transformers Qwen2.5-VL model imports triton, for example.
+A process is therefore in one mode for good; :func:`triton_interpreting` reports which, by
+looking at how triton's own library was built.
 
-To follow that mode, this package never imports triton at import time: the ``@triton.jit``
-code lives in ``_*_triton.py`` modules that :func:`load_triton_module` executes on first use,
-with ``TRITON_INTERPRET`` set to the process's mode while the decorators run, so our kernels
-always match triton's library. The tests run the Triton cases in a subprocess started with
-``TRITON_INTERPRET=1`` (see ``tests/test_kernels.py``), which works whatever the rest of the
-suite imported before.
+This package never imports triton at import time: the ``@triton.jit`` code lives in
+``_*_triton.py`` modules that :func:`load_triton_module` imports on first use. Nothing here
+changes the environment: a kernel module decorated in another mode than triton's library (the
+variable changed after triton was imported) is refused with an error that says so. The tests
+run the Triton cases in a subprocess started with ``TRITON_INTERPRET=1`` (see
+``tests/test_kernels.py``), which works whatever the rest of the suite imported before.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
-import sys
-import threading
 import warnings
 from types import ModuleType
 
 import torch
 
 __all__ = [
+    "AUTO_TORCH_ON_CUDA",
     "BACKENDS",
     "HAS_TRITON",
     "interpret_requested",
@@ -55,9 +57,9 @@ BACKENDS = ("auto", "torch", "triton")
 # here; importing it would freeze the interpreter mode (see the module docstring).
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_LOCK = threading.Lock()
-_MODULES: dict[str, ModuleType] = {}
+#: Ops whose Triton kernel "auto" does not pick on CUDA until it is validated on a GPU.
+AUTO_TORCH_ON_CUDA = frozenset({"chunk_gather"})
+
 _WARNED: set[str] = set()
 
 
@@ -92,8 +94,8 @@ def _warn_once(msg: str) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
-def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
-    """Choose the implementation for tensors on one device.
+def resolve_backend(backend: str, *tensors: torch.Tensor, op: str | None = None) -> str:
+    """Choose the implementation for tensors on one device (the rules: module docstring).
 
     Parameters
     ----------
@@ -101,6 +103,8 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
         The caller's request.
     *tensors : torch.Tensor
         The op's device tensors (host-side tensors of ``chunk_gather`` are not passed).
+    op : str, optional
+        The op's name, for the ops "auto" keeps on torch on CUDA (:data:`AUTO_TORCH_ON_CUDA`).
 
     Returns
     -------
@@ -134,7 +138,7 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     if not HAS_TRITON:
         return "torch"
     if on_cuda:
-        return "triton" if _triton_language() is not None else "torch"
+        return "triton" if op not in AUTO_TORCH_ON_CUDA and _triton_language() is not None else "torch"
     if interpret_requested():
         if triton_interpreting():
             return "triton"
@@ -144,42 +148,29 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
 
 
 def load_triton_module(name: str) -> ModuleType:
-    """Execute ``kernels/<name>.py`` (the ``@triton.jit`` code) once, in the process's mode.
+    """Import the kernel module ``kernels/<name>.py`` (its ``@triton.jit`` code) on first use.
 
     Parameters
     ----------
     name : str
         File stem of the kernel module, e.g. ``"_decode_attention_triton"``.
+
+    Raises
+    ------
+    RuntimeError
+        triton is missing, or the module was decorated in another mode than triton's own
+        library (``TRITON_INTERPRET`` changed after triton was first imported).
     """
-    mod = _MODULES.get(name)
-    if mod is not None:
-        return mod
-    with _LOCK:
-        mod = _MODULES.get(name)
-        if mod is not None:
-            return mod
-        if not HAS_TRITON:
-            raise RuntimeError("triton is not importable")
-        interpret = triton_interpreting()
-        qualname = f"{__package__ or 'hybridkv_kernels'}.{name}"
-        spec = importlib.util.spec_from_file_location(qualname, os.path.join(_HERE, f"{name}.py"))
-        mod = importlib.util.module_from_spec(spec)
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-        try:
-            sys.modules[qualname] = mod  # so inspect / triton can resolve the module by name
-            spec.loader.exec_module(mod)
-        except BaseException:
-            sys.modules.pop(qualname, None)
-            raise
-        finally:
-            if old is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            else:
-                os.environ["TRITON_INTERPRET"] = old
-        mod.INTERPRET = interpret
-        _MODULES[name] = mod
-        return mod
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not importable")
+    mod = importlib.import_module(f".{name}", __package__ or "hybridkv_kernels")
+    interpreted = {type(v).__name__ == "InterpretedFunction" for v in vars(mod).values()
+                   if type(v).__name__ in ("InterpretedFunction", "JITFunction")}
+    if interpreted != {triton_interpreting()}:
+        raise RuntimeError(f"{name}: its kernels and triton's library were built in different modes "
+                           "(TRITON_INTERPRET changed after triton was first imported); set it before "
+                           "the process starts")
+    return mod
 
 
 def next_power_of_2(n: int) -> int:

@@ -11,7 +11,7 @@ Writes:
   images/blue_square.jpg    a blue square on grass-green ground under a sky
   images/green_triangle.webp  a green triangle over a dark line
   events.txt                the timeline of shapes.mp4 (seconds and captions)
-  needle.mp4                64 frames, 112x112, 4 fps: a synthetic clip (hybridkv_cli.synthetic) whose
+  needle.mp4                64 frames, 112x112, 4 fps: a synthetic clip (training/synthetic.py) whose
                             star shows in two frames only; the README's first command asks about it
   questions.jsonl           every question about needle.mp4 with its answer (what the trained demo
                             is tested on: tests/test_trained_demo.py)
@@ -171,7 +171,7 @@ def write_needle_clip(out: Path) -> list[Path]:
     import json
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from hybridkv_cli import synthetic as S
+    from training import synthetic as S  # the repository's training package
 
     scene = S.make_scene(np.random.default_rng(NEEDLE_SEED), needle=True, kinds=("count", "first"))
     S.write_mp4(out / "needle.mp4", scene.video)

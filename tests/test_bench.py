@@ -157,16 +157,16 @@ def test_bad_row_or_media_is_an_error_record(tmp_path, capsys):
 
 
 def test_failed_run_is_recorded_and_the_rest_goes_on(capsys, monkeypatch):
-    from hybridkv_cli import api
+    from hybridkv_cli.session import Session
 
-    real = api.ask
+    real = Session.run
 
-    def flaky(*args, method, **kw):
-        if method == "snapkv":
+    def flaky(self, prepared, policy, **kw):
+        if policy.name == "snapkv":
             raise MemoryError("out of host memory")
-        return real(*args, method=method, **kw)
+        return real(self, prepared, policy, **kw)
 
-    monkeypatch.setattr(api, "ask", flaky)
+    monkeypatch.setattr(Session, "run", flaky)
     code, out, err = bench([str(IMAGES / "red_circle.png"), "What?", "--budgets", "0.1", "--json", *FAST], capsys)
     assert code == 1 and err.endswith("snapkv b=0.1: out of host memory\n") and err.count("\n") == 1
     rows = {r["method"]: (r["n"], r["errors"]) for r in json.loads(out)["aggregates"]}

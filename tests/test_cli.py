@@ -181,7 +181,7 @@ def test_out_of_memory_single_input(clip, capsys, monkeypatch):
     def oom(*a, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
 
-    monkeypatch.setattr("hybridkv_cli.api.ask", oom)
+    monkeypatch.setattr("hybridkv_cli.session.generate", oom)
     assert cli.run(["ask", str(clip), "What?", *FAST]) == 1
     err = capsys.readouterr().err
     assert err == (f"error: {clip}: out of device memory (tried to allocate 1.00 GiB); try a lower --budget, fewer "
@@ -192,7 +192,7 @@ def test_ctrl_c_single_input(clip, capsys, monkeypatch):
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("hybridkv_cli.api.ask", interrupted)
+    monkeypatch.setattr("hybridkv_cli.session.generate", interrupted)
     assert cli.run(["ask", str(clip), "What?", *FAST]) == 130
     assert capsys.readouterr().err == "interrupted\n"
 
@@ -216,10 +216,10 @@ TEXT_SCHEMA = {**SCHEMA, "input": {"kind": str, "label": str, "files": list, "co
 
 
 def test_media_on_a_text_model_is_a_usage_error(clip, capsys, monkeypatch):
-    from hybridkv_cli.models import LoadedModel
+    from hybridkv_cli.loaded import LoadedModel
 
     text_only = LoadedModel(model=None, processor=object(), name="tiny-llama", device=torch.device("cpu"),
-                            dtype=torch.float32, is_demo=False)
+                            dtype=torch.float32, random_weights=False)
     monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: text_only)
     assert cli.run(["ask", str(clip), "What?", *FAST]) == 2
     err = capsys.readouterr().err

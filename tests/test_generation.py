@@ -33,7 +33,6 @@ def prompts(demo):
 
 
 def stock_tokens(model, prompt) -> list[int]:
-    model.set_attn_implementation("sdpa")
     with torch.inference_mode():
         out = model.generate(**prompt.inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, prompt.length:].tolist()
@@ -85,3 +84,13 @@ def test_memory_at_budget_point_one(demo, prompts):
     assert one_layer <= kv["prefill_peak_bytes"] <= one_layer + kv["device_bytes_after_prefill"]
     assert result["traffic"]["h2d_bytes_per_step_mean"] > 0
     assert result["decode"]["tokens"] == 4
+
+
+def test_generation_leaves_the_model_as_it_was(demo, prompts):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    text, vision = demo.model.config.text_config, demo.model.config.vision_config
+    before = (text._attn_implementation, vision._attn_implementation)
+    policy_tokens(demo.model, prompts["images"], "hybridkv", budget=0.5)
+    assert (text._attn_implementation, vision._attn_implementation) == before == ("sdpa", "sdpa")
+    assert "hybridkv" not in ALL_ATTENTION_FUNCTIONS

@@ -117,7 +117,7 @@ def test_fps_mode(vids, fps, expected):
 
 
 def test_fps_mode_caps_at_qwen_max_frames(vids, monkeypatch):
-    monkeypatch.setattr(media, "FPS_MAX_FRAMES", 10)
+    monkeypatch.setattr(media.video, "FPS_MAX_FRAMES", 10)
     with pytest.warns(MediaWarning, match="capped at 10"):
         m = load_media([vids["v100"]], fps=5.0, max_pixels=SMALL)
     assert m.frames_used == 10
@@ -127,7 +127,7 @@ def test_video_default_size_follows_qwen_and_max_pixels_overrides(vids):
     m = load_media([vids["v30"]], frames=4)
     assert_video_ok(m)
     lo, hi = pixel_bounds("video", 4)
-    assert (lo, hi) == (media.VIDEO_MIN_PIXELS, media.VIDEO_MAX_PIXELS)
+    assert (lo, hi) == (media.geometry.VIDEO_MIN_PIXELS, media.geometry.VIDEO_MAX_PIXELS)
     h, w = m.video.shape[-2:]
     assert (h, w) == target_size(48, 64, lo, hi) and h * w >= lo  # 64x48 is upscaled to Qwen's minimum
     for mp in (784, 5000, 20000):
@@ -138,15 +138,15 @@ def test_video_default_size_follows_qwen_and_max_pixels_overrides(vids):
     assert 150_000 <= h * w <= 200_000
     m = load_media([vids["v30"]], frames=2, min_pixels=700_000)  # above the default max: max follows
     h, w = m.video.shape[-2:]
-    assert media.VIDEO_MAX_PIXELS < h * w <= 700_000
+    assert media.geometry.VIDEO_MAX_PIXELS < h * w <= 700_000
 
 
 def test_video_per_frame_budget_shrinks_with_frame_count():
     few = pixel_bounds("video", 64)[1]
     many = pixel_bounds("video", 2000)[1]
-    assert few == media.VIDEO_MAX_PIXELS and many < few
-    assert many >= int(media.VIDEO_MIN_PIXELS * 1.05)
-    assert pixel_bounds("images") == (media.IMAGE_MIN_PIXELS, media.IMAGE_MAX_PIXELS)
+    assert few == media.geometry.VIDEO_MAX_PIXELS and many < few
+    assert many >= int(media.geometry.VIDEO_MIN_PIXELS * 1.05)
+    assert pixel_bounds("images") == (media.geometry.IMAGE_MIN_PIXELS, media.geometry.IMAGE_MAX_PIXELS)
     assert pixel_bounds("images", max_pixels=1000) == (1000, 1000)  # min follows a small max
 
 
@@ -412,7 +412,7 @@ def test_large_jpeg_decoded_with_draft(tmp_path, monkeypatch):
     exif[0x0112] = 6  # display rotated 90 degrees clockwise
     big.save(jpg, quality=80, exif=exif)
     big.save(png, compress_level=1)
-    monkeypatch.setattr(media, "MAX_SOURCE_PIXELS", 1_000_000)
+    monkeypatch.setattr(media.images, "MAX_SOURCE_PIXELS", 1_000_000)
     m = load_media([jpg], max_pixels=50_000)  # 4.3 MP on disk, decoded at 1/8 scale
     assert_images_ok(m, 50_000)
     w, h = m.images[0].size
@@ -527,7 +527,7 @@ def test_permission_denied(tmp_path, monkeypatch):
     def denied(path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(media, "_open_binary", denied)
+    monkeypatch.setattr(media.sniff, "_open_binary", denied)
     for q in (p, make_video(tmp_path / "secret.mp4", n=2)):
         with pytest.raises(MediaError, match="permission denied") as e:
             load_media([str(q)])

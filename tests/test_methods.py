@@ -34,7 +34,7 @@ from hybridkv_cli.errors import HybridKVError
 from hybridkv_cli.generation import generate, question_length
 from hybridkv_cli.media import load_media
 from hybridkv_cli.demo import build_demo
-from hybridkv_cli.models import LoadedModel
+from hybridkv_cli.loaded import LoadedModel
 from hybridkv_cli.prompt import build_prompt, build_text_prompt
 
 NAMES = sorted(METHODS)
@@ -100,7 +100,7 @@ def tiny_text_model(kind: str, tokenizer) -> LoadedModel:
         torch.manual_seed(0)
         model = model_class(config).eval()
     return LoadedModel(model=model, processor=tokenizer, name=f"tiny-{kind}", device=torch.device("cpu"),
-                       dtype=torch.float32, is_demo=False)
+                       dtype=torch.float32, random_weights=False)
 
 
 @pytest.fixture(scope="module")

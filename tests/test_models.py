@@ -11,7 +11,10 @@ import torch
 from PIL import Image
 
 from hybridkv_cli import demo as D
+from hybridkv_cli import checkpoints as C
+from hybridkv_cli import loaded as L
 from hybridkv_cli import models as M
+from hybridkv_cli import prompt as P
 from hybridkv_cli.errors import ModelError, UsageError
 
 
@@ -21,7 +24,7 @@ from hybridkv_cli.errors import ModelError, UsageError
 
 
 @pytest.fixture(scope="module")
-def demo() -> M.LoadedModel:
+def demo() -> L.LoadedModel:
     return D.build_demo()
 
 
@@ -40,7 +43,7 @@ def _image_inputs(lm, images, question="Which image shows a dog?"):
         {"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]}
     ]
     prompt = lm.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return lm.processor(text=[prompt], images=images, return_tensors="pt", images_kwargs=M.IMAGE_KWARGS)
+    return lm.processor(text=[prompt], images=images, return_tensors="pt", images_kwargs=P.IMAGE_KWARGS)
 
 
 def _video_inputs(lm, video, fps=2.0, question="What happens in the video?"):
@@ -50,7 +53,7 @@ def _video_inputs(lm, video, fps=2.0, question="What happens in the video?"):
         text=[prompt],
         videos=[video],
         return_tensors="pt",
-        videos_kwargs=M.video_kwargs(fps=fps, num_frames=len(video)),
+        videos_kwargs=P.video_kwargs(fps=fps, num_frames=len(video)),
     )
 
 
@@ -83,7 +86,7 @@ def test_demo_is_deterministic_and_leaves_global_rng_alone(demo):
 
 
 def test_demo_metadata_and_mode(demo):
-    assert demo.is_demo and demo.name == "demo"
+    assert demo.random_weights and demo.name == "demo"
     assert demo.device == torch.device("cpu") and demo.dtype == torch.float32
     assert not demo.model.training
     assert next(demo.model.parameters()).dtype == torch.float32
@@ -173,10 +176,10 @@ def test_video_kwargs_keep_size_and_frames(demo):
     inputs = _video_inputs(demo, video, fps=4.0)
     assert inputs["video_grid_thw"].tolist() == [[3, 4, 6]]
     assert inputs["second_per_grid_ts"].tolist() == [0.5]
-    kw = M.video_kwargs()
+    kw = P.video_kwargs()
     assert kw["do_sample_frames"] is False and kw["do_resize"] is False and "video_metadata" not in kw
     with pytest.raises(ValueError):
-        M.video_kwargs(fps=2.0)
+        P.video_kwargs(fps=2.0)
 
 
 def test_heads_have_distinct_attention_characters(demo):
@@ -231,34 +234,34 @@ def test_set_attn_implementation_dict_form(demo):
 
 def test_resolve_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert M.resolve_device("auto") == torch.device("cpu")
-    assert M.resolve_device("cpu") == torch.device("cpu")
+    assert L.resolve_device("auto") == torch.device("cpu")
+    assert L.resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(UsageError, match="CUDA is not available"):
-        M.resolve_device("cuda")
+        L.resolve_device("cuda")
     with pytest.raises(UsageError):
-        M.resolve_device("cuda:0")
+        L.resolve_device("cuda:0")
     with pytest.raises(UsageError):
-        M.resolve_device("gpu")
+        L.resolve_device("gpu")
     with pytest.raises(UsageError):
-        M.resolve_device("mps")
+        L.resolve_device("mps")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert M.resolve_device("auto") == torch.device("cuda")
-    assert M.resolve_device("cuda:0") == torch.device("cuda:0")
+    assert L.resolve_device("auto") == torch.device("cuda")
+    assert L.resolve_device("cuda:0") == torch.device("cuda:0")
     with pytest.raises(UsageError):
-        M.resolve_device("cuda:3")
+        L.resolve_device("cuda:3")
 
 
 def test_resolve_dtype():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert M.resolve_dtype("auto", cpu) == torch.float32
-    assert M.resolve_dtype("auto", cuda) == torch.bfloat16
-    assert M.resolve_dtype("bfloat16", cpu) == torch.bfloat16
-    assert M.resolve_dtype("float16", cuda) == torch.float16
-    assert M.resolve_dtype("float32", cuda) == torch.float32
-    assert M.resolve_dtype(torch.float16, cpu) == torch.float16
+    assert L.resolve_dtype("auto", cpu) == torch.float32
+    assert L.resolve_dtype("auto", cuda) == torch.bfloat16
+    assert L.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert L.resolve_dtype("float16", cuda) == torch.float16
+    assert L.resolve_dtype("float32", cuda) == torch.float32
+    assert L.resolve_dtype(torch.float16, cpu) == torch.float16
     with pytest.raises(UsageError) as err:
-        M.resolve_dtype("float8", cpu)
+        L.resolve_dtype("float8", cpu)
     assert err.value.exit_code == 2 and "float8" in str(err.value)
 
 
@@ -311,7 +314,7 @@ def empty_hub_cache(tmp_path, monkeypatch):
 
 def test_hub_id_not_cached_offline(empty_hub_cache, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(M, "_hub_reachable", lambda: pytest.fail("must not probe the network when offline"))
+    monkeypatch.setattr(C, "_hub_reachable", lambda: pytest.fail("must not probe the network when offline"))
     with pytest.raises(ModelError) as err:
         M.load_model("hybridkv-test/not-a-model", device="cpu")
     msg = str(err.value)
@@ -322,8 +325,8 @@ def test_hub_id_not_cached_offline(empty_hub_cache, monkeypatch):
 
 def test_hub_id_not_cached_unreachable(empty_hub_cache, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(M, "_hub_offline", lambda: False)
-    monkeypatch.setattr(M, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(C, "_hub_offline", lambda: False)
+    monkeypatch.setattr(C, "_hub_reachable", lambda: False)
     with pytest.raises(ModelError, match="not cached locally and the Hugging Face hub is unreachable"):
         M.load_model("hybridkv-test/not-a-model", device="cpu")
 
@@ -332,7 +335,7 @@ def test_save_and_load_round_trip(demo, tmp_path):
     demo.model.save_pretrained(tmp_path)
     demo.processor.save_pretrained(tmp_path)
     loaded = M.load_model(str(tmp_path), device="cpu", dtype="float32")
-    assert not loaded.is_demo and loaded.name == str(tmp_path)
+    assert not loaded.random_weights and loaded.name == str(tmp_path)
     assert not loaded.model.training
     assert loaded.model.config.text_config._attn_implementation == "sdpa"
     inputs = _image_inputs(demo, _images())
@@ -351,7 +354,7 @@ def test_cached_hub_id_loads_offline(demo, empty_hub_cache, monkeypatch):
     (refs / "main").write_text("0" * 40)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     loaded = M.load_model("hybridkv-test/tiny", device="cpu")
-    assert loaded.name == "hybridkv-test/tiny" and not loaded.is_demo
+    assert loaded.name == "hybridkv-test/tiny" and not loaded.random_weights
     inputs = _image_inputs(loaded, _images())
     assert _generate(loaded, inputs) == _generate(demo, inputs)
     # config only (weights missing) -> partly cached

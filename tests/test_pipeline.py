@@ -1,4 +1,5 @@
-"""Runs over many inputs (hybridkv_cli/pipeline.py), in process with the demo model loaded once.
+"""Runs over many inputs (batch.py, inputs.py, jsonl.py, session.py), in process with the demo model
+loaded once.
 
 The media layer's own checks (each corrupt-file message, image modes, sampling) live in
 test_media.py; here every class of bad input goes through the pipeline once, to check that it
@@ -19,10 +20,13 @@ import torch
 from PIL import Image
 from rich.console import Console
 
-from hybridkv_cli import cli, pipeline
-from hybridkv_cli.errors import MediaError, UsageError
-from hybridkv_cli.pipeline import (AskOptions, ContextLengthError, Item, JsonlFile, Runner, clean_question,
-                                   plan_inputs, prompt_length, run_batch)
+from hybridkv_cli import cli, session
+from hybridkv_cli.batch import run_batch
+from hybridkv_cli.errors import ContextLengthError, MediaError, UsageError
+from hybridkv_cli.inputs import Item, plan_inputs
+from hybridkv_cli.jsonl import JsonlFile
+from hybridkv_cli.questions import clean_question
+from hybridkv_cli.session import AskOptions, Session
 from hybridkv_cli.prompt import build_prompt, chat_text
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -145,10 +149,6 @@ def test_template_tokens_in_the_question_stay_text(demo, clip):
         # an ordinary question: exactly what rendering it into the template gives
         ref = demo.processor.tokenizer(chat_text(demo.processor, media, "What happens?"))["input_ids"]
         assert len(ref) - (2 if media.kind == "images" else 1) + plain.visual_tokens == plain.length
-        # the cheap length estimate used by the context check matches the processor
-        for q, p in (("What happens?", plain), (attack, hostile)):
-            assert sum(prompt_length(demo.processor, media, q)) == p.length
-            assert prompt_length(demo.processor, media, q)[0] == p.visual_tokens
 
 
 def test_template_tokens_through_the_cli(loads, clip, capsys):
@@ -162,14 +162,14 @@ def test_template_tokens_through_the_cli(loads, clip, capsys):
 def test_each_loads_model_once_and_streams_lines(loads, clip, tmp_path, capsys, monkeypatch):
     img = make_image(tmp_path / "ïmage 1.png")
     stdout, lines_before = [], []
-    real_answer = pipeline.Runner.answer
+    real_answer = session.Session.answer
 
     def answer(self, item, question):  # each line is on stdout before the next input starts
         stdout.append(capsys.readouterr().out)
         lines_before.append("".join(stdout).count("\n"))
         return real_answer(self, item, question)
 
-    monkeypatch.setattr(pipeline.Runner, "answer", answer)
+    monkeypatch.setattr(session.Session, "answer", answer)
     code = cli.run(["ask", str(clip), str(img), str(tmp_path / "missing.mp4"), "What?", "--each", "--jsonl", *FAST])
     out, err = capsys.readouterr()
     assert code == 1 and loads == ["demo"]
@@ -243,7 +243,7 @@ def test_bad_inputs_each_get_one_record(demo, tmp_path):
     (d / "15 text.jpg").write_text("not an image")
     (d / "readme.txt").write_text("skipped")
     (d / "subdir").mkdir()
-    runner = Runner(OPTS, loaded=demo)
+    runner = Session(OPTS, loaded=demo)
     with pytest.warns(UserWarning, match=r"zoo: skipped 2 non-media entries: readme\.txt, subdir/"):
         items = plan_inputs([str(d)], each=True)
     summary, lines, err = batch(items, runner)
@@ -266,20 +266,20 @@ def test_bad_inputs_each_get_one_record(demo, tmp_path):
 def test_unexpected_error_is_recorded_and_the_run_goes_on(demo, clip, monkeypatch):
     calls = []
 
-    def flaky(loaded, media, question, **kw):
+    def flaky(self, prepared, policy, **kw):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("boom\nsecond line")
-        return {"input": {"label": media.label}}
+        return {"input": {"label": prepared.media.label}}
 
-    monkeypatch.setattr("hybridkv_cli.api.ask", flaky)
-    summary, lines, err = batch([Item((str(clip),)), Item((str(clip),))], Runner(OPTS, loaded=demo))
+    monkeypatch.setattr(Session, "run", flaky)
+    summary, lines, err = batch([Item((str(clip),)), Item((str(clip),))], Session(OPTS, loaded=demo))
     assert lines[0] == {"input": str(clip), "error": {"type": "RuntimeError", "message": "boom second line"}}
     assert lines[1] == {"input": {"label": str(clip)}}
     assert f"error: {clip}: RuntimeError: boom second line" in err and summary.exit_code == 1
     with pytest.raises(RuntimeError):  # --debug: the traceback
         calls.clear()
-        batch([Item((str(clip),))], Runner(OPTS, loaded=demo), debug=True)
+        batch([Item((str(clip),))], Session(OPTS, loaded=demo), debug=True)
 
 
 def test_model_that_cannot_load_stops_the_run(clip, tmp_path, monkeypatch, capsys):
@@ -298,9 +298,7 @@ def test_model_that_cannot_load_stops_the_run(clip, tmp_path, monkeypatch, capsy
 
 
 def test_out_of_memory_is_a_clear_error_and_the_run_goes_on(demo, clip, monkeypatch):
-    from hybridkv_cli import api
-
-    real_ask = api.ask
+    real_generate = session.generate
     failures = [
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of "
                                "139.8 GiB of which 1.2 GiB is free.\nOf the allocated memory ..."),
@@ -308,13 +306,13 @@ def test_out_of_memory_is_a_clear_error_and_the_run_goes_on(demo, clip, monkeypa
                      "you tried to allocate 123456789 bytes."),
     ]
 
-    def ask(*a, **kw):
+    def generate(*a, **kw):
         if failures:
             raise failures.pop(0)
-        return real_ask(*a, **kw)
+        return real_generate(*a, **kw)
 
-    monkeypatch.setattr(api, "ask", ask)
-    summary, lines, err = batch([Item((str(clip),))] * 3, Runner(OPTS, loaded=demo))
+    monkeypatch.setattr(session, "generate", generate)
+    summary, lines, err = batch([Item((str(clip),))] * 3, Session(OPTS, loaded=demo))
     device, host, ok = lines
     assert device["error"]["type"] == host["error"]["type"] == "OutOfMemoryError"
     assert device["error"]["message"] == ("out of device memory (tried to allocate 2.50 GiB); try a lower --budget, "
@@ -330,24 +328,24 @@ def test_prompt_longer_than_the_context(demo, clip, tmp_path, monkeypatch, loads
 
     img = make_image(tmp_path / "small.png")
     q = "What happens?"  # batch()'s question
-    n_img = sum(prompt_length(demo.processor, load_media([img], max_pixels=SMALL), q))
-    n_clip = sum(prompt_length(demo.processor, load_media([clip], frames=4, max_pixels=SMALL), q))
+    n_img = build_prompt(demo.processor, load_media([img], max_pixels=SMALL), q).length
+    n_clip = build_prompt(demo.processor, load_media([clip], frames=4, max_pixels=SMALL), q).length
     assert n_img < n_clip
     limit = n_img + OPTS.max_new_tokens  # the image just fits, the video does not
     monkeypatch.setattr(demo.model.config.get_text_config(), "max_position_embeddings", limit)
-    summary, lines, _ = batch([Item((str(clip),)), Item((str(img),))], Runner(OPTS, loaded=demo))
+    summary, lines, _ = batch([Item((str(clip),)), Item((str(img),))], Session(OPTS, loaded=demo))
     assert lines[0]["error"]["type"] == "ContextLengthError" and "label" in lines[1]["input"]
     msg = lines[0]["error"]["message"]
     assert f"the prompt needs {n_clip} tokens" in msg and f"more than the model's context of {limit} tokens" in msg
     assert "--frames" in msg and "--max-pixels" in msg
     with pytest.raises(ContextLengthError):
-        Runner(OPTS, loaded=demo).answer(Item((str(clip),)), q)
+        Session(OPTS, loaded=demo).answer(Item((str(clip),)), q)
     # a question that alone does not fit is a usage error: it stops the run (exit 2)
     long_q = "why " * limit
     assert cli.run(["ask", str(img), long_q, *FAST]) == 2
     assert "the question is too long" in capsys.readouterr().err
     with pytest.raises(UsageError, match="too long"):
-        batch([Item((str(img),))], Runner(OPTS, loaded=demo), question=long_q)
+        batch([Item((str(img),))], Session(OPTS, loaded=demo), question=long_q)
 
 
 # --- the output file and resume --------------------------------------------------------------------
@@ -359,7 +357,7 @@ def test_output_appends_whole_fsynced_lines(demo, clip, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "write", lambda fd, data: writes.append(bytes(data)) or real_write(fd, data))
     monkeypatch.setattr(os, "fsync", lambda fd: syncs.append(fd) or real_fsync(fd))
     items = [Item((str(clip),)), Item((str(tmp_path / "nope.mp4"),))]
-    summary, stdout_lines, _ = batch(items, Runner(OPTS, loaded=demo), output=out)
+    summary, stdout_lines, _ = batch(items, Session(OPTS, loaded=demo), output=out)
     lines = out.read_text().splitlines()
     assert lines[0] == '{"earlier": "run"}' and len(lines) == 3
     assert [json.loads(x) for x in lines[1:]] == stdout_lines
@@ -372,17 +370,17 @@ def test_resume_skips_answered_and_retries_failed(demo, clip, tmp_path, monkeypa
     other = make_video(tmp_path / "other.mp4", n=4)
     missing = tmp_path / "later.mp4"
     items = [Item((str(clip),)), Item((str(missing),)), Item((str(other),))]
-    s1, _, _ = batch(items, Runner(OPTS, loaded=demo), output=out)
+    s1, _, _ = batch(items, Session(OPTS, loaded=demo), output=out)
     assert (s1.ok, s1.failed) == (2, 1)
     make_video(missing, n=4)  # the failed input is fixed; a crash left half a line behind
     with open(out, "a") as f:
         f.write('{"input": {"label": "half')
     answered = []
-    real = pipeline.Runner.answer
-    monkeypatch.setattr(pipeline.Runner, "answer",
+    real = session.Session.answer
+    monkeypatch.setattr(session.Session, "answer",
                         lambda self, item, q: answered.append(item.key) or real(self, item, q))
     with pytest.warns(UserWarning, match=r"removed an incomplete last line \(\d+ bytes\)"):
-        s2, lines, err = batch(items, Runner(OPTS, loaded=demo), output=out, resume=True)
+        s2, lines, err = batch(items, Session(OPTS, loaded=demo), output=out, resume=True)
     assert answered == [str(missing)] and (s2.ok, s2.failed, s2.skipped, s2.exit_code) == (1, 0, 2, 0)
     assert "resume: skipping 2 inputs already answered" in err and "2 skipped" in err
     records = [json.loads(x) for x in out.read_text().splitlines()]  # every line parses: the half line is gone
@@ -410,7 +408,7 @@ def test_output_file_edge_cases(tmp_path):
 
 def test_ctrl_c_keeps_completed_lines(loads, clip, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out.jsonl"
-    real = pipeline.Runner.answer
+    real = session.Session.answer
     calls = []
 
     def answer(self, item, question):
@@ -419,7 +417,7 @@ def test_ctrl_c_keeps_completed_lines(loads, clip, tmp_path, monkeypatch, capsys
             raise KeyboardInterrupt
         return real(self, item, question)
 
-    monkeypatch.setattr(pipeline.Runner, "answer", answer)
+    monkeypatch.setattr(session.Session, "answer", answer)
     code = cli.run(["ask", str(clip), str(clip), str(clip), "What?", "--each", "-o", str(out), *FAST])
     err = capsys.readouterr().err
     assert code == 130 and len(calls) == 2
@@ -432,18 +430,18 @@ def test_progress_on_a_terminal_never_touches_stdout(demo, clip, capsys):
     err = io.StringIO()
     console = Console(file=err, force_terminal=True, width=120)
     out = io.StringIO()
-    summary = run_batch([Item((str(clip),)), Item((str(clip),))], "What?", Runner(OPTS, loaded=demo),
+    summary = run_batch([Item((str(clip),)), Item((str(clip),))], "What?", Session(OPTS, loaded=demo),
                         console=console, jsonl=out)
     assert summary.exit_code == 0 and len(out.getvalue().splitlines()) == 2
     assert "2/2" in err.getvalue() and "ETA" in err.getvalue()
     assert capsys.readouterr().out == ""
     quiet = io.StringIO()
-    run_batch([Item((str(clip),))], "What?", Runner(OPTS, loaded=demo), console=Console(file=quiet), quiet=True)
+    run_batch([Item((str(clip),))], "What?", Session(OPTS, loaded=demo), console=Console(file=quiet), quiet=True)
     assert quiet.getvalue() == ""
 
 
 def test_plain_progress_has_eta(demo, clip):
-    _, _, err = batch([Item((str(clip),))] * 3, Runner(OPTS, loaded=demo))
+    _, _, err = batch([Item((str(clip),))] * 3, Session(OPTS, loaded=demo))
     lines = err.splitlines()
     assert lines[0].startswith("[1/3] ok: ") and "ETA 0:00:" in lines[0]
     assert lines[2].startswith("[3/3] ok: ") and "ETA" not in lines[2]

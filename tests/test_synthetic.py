@@ -1,18 +1,14 @@
-"""synthetic.py: the generator behind the trained demo model and its held-out task set."""
+"""training/synthetic.py: the generator behind the trained demo model and its held-out task set."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hybridkv_cli import synthetic as S
 from hybridkv_cli.demo import build_demo_tokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
+from training import synthetic as S
 
 
 def _scenes(n=40, frames=32):
@@ -123,8 +119,7 @@ def test_make_video_tasks_writes_files_and_manifest(tmp_path, monkeypatch):
     from hybridkv_cli.media import load_media
 
     monkeypatch.setattr(S, "HELD_OUT_QUOTA", {"needle_colour": 1, "which_image": 1})
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import make_video_tasks
+    from training import make_video_tasks
 
     assert make_video_tasks.main([str(tmp_path)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "tasks.jsonl").read_text().splitlines()]

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from hybridkv_cli import demo as D
-from hybridkv_cli import synthetic as S
+from training import synthetic as S
 from hybridkv_cli.api import ask
 from hybridkv_cli.media import MediaInput, load_media
 from hybridkv_cli.models import load_model, max_pixels_for
@@ -23,7 +23,7 @@ SAMPLES = ROOT / "sample_media" / "questions.jsonl"
 
 
 needs_weights = pytest.mark.skipif(not WEIGHTS.is_file(), reason="no trained demo weights shipped "
-                                   "(scripts/train_demo.py writes them)")
+                                   "(training/train_demo.py writes them)")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def demo():
 @needs_weights
 def test_demo_loads_the_shipped_trained_weights(demo):
     assert WEIGHTS.is_file() and WEIGHTS.stat().st_size <= 10 * 2**20
-    assert demo.name == "demo" and not demo.is_demo
+    assert demo.name == "demo" and not demo.random_weights
     text, vision = demo.model.config.text_config, demo.model.config.vision_config
     assert (text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads) == (4, 4, 2)
     assert text.hidden_size // text.num_attention_heads == 32
@@ -54,7 +54,7 @@ def test_demo_loads_the_shipped_trained_weights(demo):
 
 def test_demo_random_is_still_the_random_model():
     rnd = load_model("demo-random", device="cpu", dtype="float32")
-    assert rnd.is_demo and rnd.name == "demo-random"
+    assert rnd.random_weights and rnd.name == "demo-random"
     assert rnd.model.config.vision_config.depth == D.DEMO_VISION["depth"]
 
 
@@ -66,7 +66,7 @@ def test_missing_weights_say_what_to_do(tmp_path, monkeypatch):
     # without shipped weights, --model demo is the random demo
     monkeypatch.setattr(D, "trained_weights_path", lambda: tmp_path / "none.safetensors")
     loaded = load_model("demo", device="cpu", dtype="float32")
-    assert loaded.is_demo and loaded.name == "demo"
+    assert loaded.random_weights and loaded.name == "demo"
 
 
 def test_the_trained_demo_reads_frames_at_its_training_size(tmp_path, monkeypatch):
@@ -116,7 +116,7 @@ def _media(scene: S.Scene) -> MediaInput:
 @needs_weights
 def test_demo_answers_held_out_items(demo):
     # one held-out item of each kind, generated in memory (the full set goes through mp4 files:
-    # scripts/make_video_tasks.py + scripts/eval_demo.py, docs/demo_model.md)
+    # training/make_video_tasks.py + training/eval_demo.py, docs/demo_model.md)
     items = S.held_out(quota={kind: 1 for kind in S.HELD_OUT_QUOTA})
     right = [ask(demo, _media(it.scene), it.qa.question, method="full", max_new_tokens=8)["answer"] == it.qa.answer
              for it in items]
@@ -125,10 +125,7 @@ def test_demo_answers_held_out_items(demo):
 
 # --- the training script ------------------------------------------------------------------------
 def _train_demo():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import train_demo
+    from training import train_demo
 
     return train_demo
 
@@ -184,7 +181,7 @@ def test_training_script_writes_weights_the_demo_loads(tmp_path):
     out = tmp_path / "demo.safetensors"
     assert TD.main(["--steps", "2", "--threads", "1", "--log-every", "1", "--out", str(out)]) == 0
     loaded = D.build_trained_demo(weights=out)
-    assert not loaded.is_demo and out.stat().st_size < 10 * 2**20
+    assert not loaded.random_weights and out.stat().st_size < 10 * 2**20
 
 
 def test_guidance_targets_the_key_word_and_the_picture_numbers():

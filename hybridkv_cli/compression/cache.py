@@ -1,31 +1,31 @@
 """Glue to transformers: a ``Cache`` whose layers a policy compresses, and the attention function.
 
-The text attention of the model calls ``cache.update`` and then the function registered as
-``"hybridkv"``. At prefill that function runs stock SDPA over the full prompt, then hands the
-layer (queries included) to the policy, which replaces the full KV by its compressed form, so the
-peak prefill cache is one layer of full KV plus the compressed layers before it. At decode it
-asks the compressed layer for attention directly.
+The text attention of the model calls ``cache.update`` and then the attention function. Inside
+:func:`policy_attention` that function is :func:`attend`: at prefill it runs stock SDPA over the
+full prompt, then hands the layer (queries included) to the policy, which replaces the full KV
+by its compressed form, so the peak prefill cache is one layer of full KV plus the compressed
+layers before it. At decode it asks the compressed layer for attention directly.
+
+The attention function finds the cache in its own call's keyword arguments: transformers hands
+``cache.update`` the attention call's ``kwargs``, and :meth:`PolicyCache.update` adds itself
+there. Nothing is registered at import time, and the model is restored on leaving the block.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import time
 
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hybridkv_cli.compression.base import LayerKV, Policy, PrefillLayer
 from hybridkv_cli.compression.store import tensor_bytes
 
 ATTENTION_NAME = "hybridkv"
-
-# `generate()` rejects unknown kwargs, so the attention function finds the cache here.
-_active: contextvars.ContextVar["PolicyCache | None"] = contextvars.ContextVar("hybridkv_cache", default=None)
+CACHE_KWARG = "hybridkv_cache"  # the keyword under which the attention call receives its cache
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -107,6 +107,13 @@ class PolicyCache(Cache):
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, full_bytes + self.device_bytes())
         self.compress_seconds += time.perf_counter() - start
 
+    def update(self, key_states, value_states, layer_idx: int, *args, kwargs: dict | None = None, **rest):
+        """Cache the new keys and values; hand this cache to the attention call that follows
+        (``kwargs`` are that call's keyword arguments)."""
+        if kwargs is not None:
+            kwargs[CACHE_KWARG] = self
+        return super().update(key_states, value_states, layer_idx, *args, kwargs=kwargs, **rest)
+
     def _compressed(self) -> list[LayerKV]:
         return [layer.kv for layer in self.layers if layer.kv is not None]
 
@@ -119,19 +126,10 @@ class PolicyCache(Cache):
     def transferred_bytes(self) -> int:
         return sum(kv.transferred_bytes() for kv in self._compressed())
 
-    @contextlib.contextmanager
-    def active(self):
-        """Make this cache the one the registered attention function serves."""
-        token = _active.set(self)
-        try:
-            yield self
-        finally:
-            _active.reset(token)
 
-
-def policy_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention function registered as ``"hybridkv"`` (see the module docstring)."""
-    cache = _active.get()
+def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function inside :func:`policy_attention` (see the module docstring)."""
+    cache = kwargs.pop(CACHE_KWARG, None)
     if cache is None:  # not generating through a PolicyCache (e.g. a plain forward): behave as SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     layer = cache.layers[module.layer_idx]
@@ -147,15 +145,28 @@ def policy_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.reshape(batch, q_len, q_heads, dim), None
 
 
-AttentionInterface.register(ATTENTION_NAME, policy_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+@contextlib.contextmanager
+def policy_attention(model):
+    """Route the language model's attention through :func:`attend` inside the block.
 
+    A multimodal model (one with sub-configs: text, vision, ...) keeps its own attention
+    everywhere but in its text model. On exit the model's attention implementations are what
+    they were and the name :data:`ATTENTION_NAME` is registered only if it was before.
 
-def use_policy_attention(model) -> None:
-    """Route the language model's attention through the policy cache. A multimodal model (one
-    with sub-configs: text, vision, ...) keeps SDPA everywhere but in its text model."""
+    No attention-mask function is registered under the name, so transformers builds no mask:
+    prefill runs SDPA with ``is_causal`` (what stock SDPA does for an unpadded prompt) and
+    decoding reads the compressed layers, which need none.
+    """
     subs = model.config.sub_configs
-    if subs:
-        model.set_attn_implementation({key: ATTENTION_NAME if key == "text_config" else "sdpa" for key in subs})
-    else:
-        model.set_attn_implementation(ATTENTION_NAME)
+    previous = ({key: getattr(model.config, key)._attn_implementation for key in subs} if subs
+                else model.config._attn_implementation)
+    registered = ATTENTION_NAME in ALL_ATTENTION_FUNCTIONS
+    ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = attend
+    try:
+        model.set_attn_implementation({key: ATTENTION_NAME if key == "text_config" else previous[key] for key in subs}
+                                      if subs else ATTENTION_NAME)
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+        if not registered:
+            del ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Full-cache accuracy of a model on a task manifest (``scripts/make_video_tasks.py`` output).
+"""Full-cache accuracy of a model on a task manifest (``python -m training.make_video_tasks`` output).
 
-    python scripts/eval_demo.py TASKS [--model demo | --weights FILE] [--method full] [--limit N] [--json out.json]
+    python -m training.eval_demo TASKS [--model demo | --weights FILE] [--method full] [--limit N] [--json out.json]
 
 TASKS is a ``tasks.jsonl`` file or the folder holding it. Every row goes the way a user's question
 goes: ``load_media`` decodes the files (64 frames of the mp4, or the PNG image set) and
@@ -20,12 +20,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from hybridkv_cli.api import ask  # noqa: E402
-from hybridkv_cli.bench import normalise  # noqa: E402
-from hybridkv_cli.media import load_media  # noqa: E402
-from hybridkv_cli.models import load_model, max_pixels_for  # noqa: E402
+from hybridkv_cli.api import ask
+from hybridkv_cli.bench import normalise
+from hybridkv_cli.media import load_media
+from hybridkv_cli.models import load_model, max_pixels_for
 
 
 def read_manifest(path: Path) -> tuple[Path, list[dict]]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train the demo model (``--model demo``) from scratch on the synthetic tasks, on CPU.
 
-    python scripts/train_demo.py [--steps 3800] [--seed 0] [--threads 2] [--out hybridkv_cli/weights/demo.safetensors]
+    python -m training.train_demo [--steps 3800] [--seed 0] [--threads 2] [--out hybridkv_cli/weights/demo.safetensors]
 
 The model is the real ``Qwen2_5_VLForConditionalGeneration`` with the tiny config
 ``hybridkv_cli.demo.TRAINED_TEXT`` / ``TRAINED_VISION`` and the offline demo processor. Every
@@ -40,14 +40,13 @@ import numpy as np
 import torch
 from PIL import Image
 
+
+from hybridkv_cli import demo as D
+from training import synthetic as S
+from hybridkv_cli.media import MediaInput
+from hybridkv_cli.prompt import build_prompt, question_ids
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from hybridkv_cli import demo as D  # noqa: E402
-from hybridkv_cli import synthetic as S  # noqa: E402
-from hybridkv_cli.media import MediaInput  # noqa: E402
-from hybridkv_cli.prompt import build_prompt, question_ids  # noqa: E402
-
 IGNORE = -100
 
 
@@ -112,7 +111,7 @@ def key_position(tokenizer, question: str) -> int:
 
 
 def token_labels(maps: list[np.ndarray], temporal: int = 2, px: int = 28, min_share: float = 0.08) -> torch.Tensor:
-    """The dominant pixel label (:data:`hybridkv_cli.synthetic.N_LABELS`) of every visual token
+    """The dominant pixel label (:data:`training.synthetic.N_LABELS`) of every visual token
     (a temporal patch x 28 x 28 pixels), 0 where objects cover less than ``min_share`` of it, in the
     vision tower's output order (time, row, column). An image is one patch of two copies."""
     out = []
@@ -436,7 +435,7 @@ def save(model, path: Path) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(path), metadata={"format": "pt", "trained_by": "scripts/train_demo.py"})
+    save_file(state, str(path), metadata={"format": "pt", "trained_by": "training/train_demo.py"})
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)", flush=True)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write the held-out synthetic task set as real files plus a JSONL manifest.
 
-    python scripts/make_video_tasks.py OUTDIR [--seed 20000]
+    python -m training.make_video_tasks OUTDIR [--seed 20000]
 
 OUTDIR/videos/*.mp4 (64 frames, 112x112, 4 fps, H.264), OUTDIR/images/<id>/*.png (image sets) and
 OUTDIR/tasks.jsonl, one row per question (OUTDIR/needle.jsonl: the needle rows only):
@@ -11,8 +11,8 @@ OUTDIR/tasks.jsonl, one row per question (OUTDIR/needle.jsonl: the needle rows o
 
 ``media`` is a path relative to the manifest, or a list of them for an image set. The seed differs
 from every training seed (training draws scenes from ``[train_seed, step]``, this set from
-``[seed, kind, i]``). 200 items: see ``hybridkv_cli.synthetic.HELD_OUT_QUOTA`` (60 needle items,
-whose star is visible in 1-2 of the 64 frames). Evaluate with ``scripts/eval_demo.py OUTDIR``.
+``[seed, kind, i]``). 200 items: see ``training.synthetic.HELD_OUT_QUOTA`` (60 needle items,
+whose star is visible in 1-2 of the 64 frames). Evaluate with ``python -m training.eval_demo OUTDIR``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from hybridkv_cli import synthetic as S  # noqa: E402
+from training import synthetic as S
 
 
 def main(argv=None) -> int:

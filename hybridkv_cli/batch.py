@@ -1,0 +1,135 @@
+"""The batch loop: many inputs, one model load, one JSON line per input, resume, error records.
+
+:func:`run_batch` answers the items through a :class:`~hybridkv_cli.session.Session`, writing
+one JSON line per input as soon as it is done (to stdout and/or an append-only file, see
+:mod:`hybridkv_cli.jsonl`), a record ``{"input": ..., "error": {"type": ..., "message": ...}}``
+for each failed one, and progress on stderr (:mod:`hybridkv_cli.progress`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TextIO
+
+from hybridkv_cli.errors import HybridKVError, ModelError, UsageError, one_line
+from hybridkv_cli.inputs import Item
+from hybridkv_cli.jsonl import JsonlFile
+from hybridkv_cli.progress import Progress, clock
+
+if TYPE_CHECKING:  # pragma: no cover - the session imports torch; the batch loop itself does not
+    from hybridkv_cli.session import Session
+
+#: Exit codes of a run: all inputs answered / at least one failed / interrupted (Ctrl-C).
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+def error_record(key: str, exc: BaseException) -> dict:
+    """``{"input": key, "error": {"type": ..., "message": <one line>}}``."""
+    if isinstance(exc, HybridKVError):
+        message = exc.reason if exc.source in (None, key) else str(exc)
+    else:
+        message = str(exc) or type(exc).__name__
+    return {"input": key, "error": {"type": type(exc).__name__, "message": one_line(message)}}
+
+
+@dataclass
+class Summary:
+    """How a run went: inputs answered, failed, skipped (``--resume``), and whether Ctrl-C stopped it."""
+
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    interrupted: bool = False
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.interrupted else EXIT_FAILED if self.failed else EXIT_OK
+
+
+def run_batch(items: list[Item], question: str, session: Session, *, console, jsonl: TextIO | None = None,
+              human=None, output: str | os.PathLike | None = None, resume: bool = False, quiet: bool = False,
+              debug: bool = False) -> Summary:
+    """Answer every item; one record per input (success or error), in order.
+
+    ``jsonl``: a stream that gets every record line (flushed per line); ``human``: a rich console
+    that gets the human report of each answer; ``output``: a JSON-lines file the records are
+    appended to (``resume``: skip inputs it already answered). Errors are also printed on
+    ``console`` as ``error: <input>: <reason>``; progress goes there unless ``quiet``. A
+    :class:`UsageError` (a command-line problem) or :class:`ModelError` (the model cannot load)
+    would fail every input the same way and stops the run; any other failure is recorded and
+    the run goes on (``debug``: unexpected exceptions propagate).
+    Ctrl-C stops after the completed lines (``Summary.interrupted``).
+    """
+    from rich.markup import escape
+
+    summary = Summary()
+    sink = JsonlFile(output) if output is not None else None
+    if sink is not None:
+        if resume:
+            done = sink.done()
+            todo = [it for it in items if it.key not in done]
+            summary.skipped = len(items) - len(todo)
+            if summary.skipped and not quiet:
+                console.print(f"resume: skipping {summary.skipped} input{'s' if summary.skipped > 1 else ''} "
+                              f"already answered in {escape(str(output))}", highlight=False, soft_wrap=True)
+            items = todo
+        sink.open()
+
+    def emit(record: dict) -> None:
+        line = json.dumps(record)
+        if sink is not None:
+            sink.write(line)
+        if jsonl is not None:
+            jsonl.write(line + "\n")
+            jsonl.flush()
+
+    progress = Progress(console, len(items), quiet=quiet)
+    session.stage = progress.stage
+    try:
+        with progress:
+            for item in items:
+                progress.begin(item.key)
+                started = time.perf_counter()
+                try:
+                    result = session.answer(item, question)
+                except (UsageError, ModelError):  # the same for every input: stop the run
+                    raise
+                except Exception as e:
+                    if debug and not isinstance(e, HybridKVError):
+                        raise
+                    record = error_record(item.key, e)
+                    emit(record)
+                    summary.failed += 1
+                    kind = "" if isinstance(e, HybridKVError) else f"{type(e).__name__}: "
+                    console.print(f"[red]error:[/red] {escape(item.key)}: {escape(kind + record['error']['message'])}",
+                                  highlight=False, soft_wrap=True)
+                    progress.finish(item.key, False, time.perf_counter() - started)
+                    continue
+                emit(result)
+                summary.ok += 1
+                if human is not None:
+                    from hybridkv_cli.report import render
+
+                    if summary.ok > 1:
+                        human.print()
+                    human.print(f"[bold]── {escape(item.key)}[/bold]", highlight=False, soft_wrap=True)
+                    render(result, human)
+                progress.finish(item.key, True, time.perf_counter() - started)
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    finally:
+        if sink is not None:
+            sink.close()
+    done = summary.ok + summary.failed
+    where = f"; the completed lines are in {output} (run again with --resume to continue)" if output else ""
+    if summary.interrupted:
+        console.print(f"interrupted after {done} of {len(items)} input{'s' if len(items) != 1 else ''}{escape(where)}",
+                      highlight=False, soft_wrap=True)
+    elif not quiet:
+        skipped = f", {summary.skipped} skipped (already answered)" if summary.skipped else ""
+        console.print(f"done: {summary.ok} answered, {summary.failed} failed{skipped} in "
+                      f"{clock(time.perf_counter() - progress.start)}", highlight=False, soft_wrap=True)
+    return summary

@@ -1,0 +1,43 @@
+"""The media of one prompt, decoded and sized for Qwen2.5-VL."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from hybridkv_cli.media.paths import set_label
+
+
+@dataclass(frozen=True, eq=False)
+class MediaInput:
+    """One prompt's visual input, ready for the Qwen2.5-VL processor.
+
+    ``eq=False``: instances compare by identity (a field-wise ``==`` on tensors is ambiguous).
+    The fields after ``sample_fps`` are informational and optional.
+    """
+
+    kind: str  # "video" or "images"
+    sources: tuple[Path, ...]
+    video: torch.Tensor | None  # uint8 (T, 3, H, W); T even >= 2; H, W multiples of 28
+    images: tuple[Image.Image, ...]  # RGB, H and W multiples of 28
+    frames_total: int | None
+    frames_used: int
+    sample_fps: float | None
+    origin: str | None = None  # what the user typed (video path, directory), for the label
+    decoder: str | None = None  # "decord" / "pyav" (video) or "pillow" (images)
+    frame_indices: tuple[int, ...] | None = None  # source frame index of each video frame
+
+    @property
+    def label(self) -> str:
+        return self.origin or set_label(self.sources)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) of every frame / of the first image."""
+        if self.video is not None:
+            return int(self.video.shape[-2]), int(self.video.shape[-1])
+        w, h = self.images[0].size
+        return h, w

@@ -1,0 +1,88 @@
+"""The result record of one answer: the JSON schema of README ("JSON output").
+
+This is the one place the application reads a policy's head report (``policy.summary()``).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from hybridkv_cli.compression import Policy
+from hybridkv_cli.generation import Generation
+from hybridkv_cli.loaded import LoadedModel
+from hybridkv_cli.media import MediaInput
+from hybridkv_cli.prompt import Prompt
+
+RANDOM_WEIGHTS_NOTE = "demo model: randomly initialised weights, the answer is meaningless"
+
+
+def note(loaded: LoadedModel) -> str | None:
+    """The warning a result carries: set for a model whose weights are random."""
+    return RANDOM_WEIGHTS_NOTE if loaded.random_weights else None
+
+
+def latency_stats(step_s: list[float]) -> dict:
+    """Mean, p50 and p90 of per-token decode latency in milliseconds (None without steps)."""
+    if not step_s:
+        return {"ms_per_token_mean": None, "p50": None, "p90": None}
+    ms = sorted(s * 1e3 for s in step_s)
+
+    def pct(q: float) -> float:
+        return ms[min(len(ms) - 1, round(q * (len(ms) - 1)))]
+
+    return {"ms_per_token_mean": statistics.fmean(ms), "p50": pct(0.5), "p90": pct(0.9)}
+
+
+def input_record(media: MediaInput | None, prompt: Prompt) -> dict:
+    """What was asked about: the media and their token count, or the text context's."""
+    if media is None:
+        return {"kind": "text", "label": "text", "files": [], "context_tokens": prompt.visual_tokens,
+                "text_tokens": prompt.text_tokens}
+    return {
+        "kind": media.kind,
+        "label": media.label,
+        "files": [str(p) for p in media.sources],
+        "frames_total": media.frames_total,
+        "frames_used": media.frames_used,
+        "visual_tokens": prompt.visual_tokens,
+        "text_tokens": prompt.text_tokens,
+    }
+
+
+def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, question: str, policy: Policy,
+                run: Generation, defer_question: bool) -> dict:
+    """The record of ``run``, the answer to ``question`` about ``media`` (None: a text prompt)."""
+    cached_tokens = run.cache.get_seq_length()
+    full_bytes = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * cached_tokens
+    full_bytes *= loaded.dtype.itemsize
+    device_bytes = run.cache.device_bytes()
+    steps = len(run.step_s)
+    return {
+        "input": input_record(media, prompt),
+        "question": question,
+        "answer": loaded.tokenizer.decode(run.tokens, skip_special_tokens=True).strip(),
+        "method": policy.name,
+        "budget": policy.budget,
+        "defer_question": defer_question,
+        "prefill_s": run.prefill_s,
+        "decode": {"tokens": len(run.tokens), **latency_stats(run.step_s)},
+        "kv": {
+            "device_bytes": device_bytes,
+            "device_bytes_after_prefill": run.device_bytes_after_prefill,
+            "host_bytes": run.cache.host_bytes(),
+            "full_bytes": full_bytes,
+            "ratio_vs_full": device_bytes / full_bytes if full_bytes else None,
+            "prefill_peak_bytes": run.cache.prefill_peak_bytes,
+            "cuda_peak_bytes": run.cuda_peak_bytes,
+        },
+        "traffic": (
+            {"h2d_bytes_total": run.cache.transferred_bytes(),
+             "h2d_bytes_per_step_mean": run.cache.transferred_bytes() / steps if steps else 0.0}
+            if run.cache.host_bytes() else None
+        ),
+        "heads": policy.summary(),
+        "model": loaded.name,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "note": note(loaded),
+    }

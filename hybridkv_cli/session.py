@@ -1,0 +1,213 @@
+"""The session: one model, loaded once, answering inputs along one straight line.
+
+    inputs -> media -> prompt -> generate(policy) -> record
+
+``hybridkv ask`` (one input or many), ``profile`` and ``bench`` all answer through a
+:class:`Session`. It loads the model on first need (after the first input's media, so a bad
+first file fails before a long model load), builds each prompt once (the chat template rendered
+once; the context check reads the built prompt), runs one generation per policy, and maps
+every failure -- out-of-memory included -- to a one-line :class:`~hybridkv_cli.errors.HybridKVError`
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager
+
+import torch
+
+from hybridkv_cli import models
+from hybridkv_cli.compression import Policy, make_policy
+from hybridkv_cli.errors import (ContextLengthError, HybridKVError, ModelError, OutOfMemoryError, UsageError,
+                                 one_line)
+from hybridkv_cli.generation import generate
+from hybridkv_cli.inputs import Item
+from hybridkv_cli.loaded import LoadedModel
+from hybridkv_cli.media import MediaInput, load_media
+from hybridkv_cli.prompt import Prompt, build_prompt, build_text_prompt
+from hybridkv_cli.record import make_record
+
+
+@dataclass(frozen=True)
+class AskOptions:
+    """Everything an input's answer depends on besides the media and the question."""
+
+    model: str = models.DEFAULT_MODEL
+    device: str = "auto"
+    dtype: str = "auto"
+    method: str = "hybridkv"
+    method_options: dict = field(default_factory=dict)  # budget, window, theta, ...
+    frames: int = 64
+    fps: float | None = None
+    max_pixels: int | None = None
+    max_new_tokens: int = 128
+    defer_question: bool = False  # compress before the question is read (generation.generate)
+
+
+class Policies:
+    """The policies of a run, one per generation (a policy keeps per-generation state).
+
+    :meth:`first` builds the first one early, which validates the method and its options before
+    any input is read; :meth:`take` hands it out, then fresh ones.
+    """
+
+    def __init__(self, method: str, options: dict):
+        self.method, self.options = method, options
+        self._next: Policy | None = None
+
+    def first(self) -> Policy:
+        """The next policy to hand out, built now (raises UsageError for bad options)."""
+        if self._next is None:
+            self._next = make_policy(self.method, **self.options)
+        return self._next
+
+    def take(self) -> Policy:
+        """A policy for one generation; never the same one twice."""
+        policy, self._next = self.first(), None
+        return policy
+
+
+@dataclass
+class Prepared:
+    """One input made ready: its media (None: a text prompt), the built prompt, the question,
+    and the name errors give it."""
+
+    media: MediaInput | None
+    prompt: Prompt
+    question: str
+    source: str
+
+
+class Session:
+    """Answers inputs with one model (see the module docstring).
+
+    Parameters
+    ----------
+    options : AskOptions
+    loaded : LoadedModel, optional
+        A model already loaded (else ``options.model`` is loaded on first need).
+    stage : callable, optional
+        ``stage(message)`` returns a context manager shown while a slow step runs (a spinner,
+        a progress description).
+    """
+
+    def __init__(self, options: AskOptions, *, loaded: LoadedModel | None = None,
+                 stage: Callable[[str], ContextManager] | None = None):
+        self.options = options
+        self.loaded = loaded
+        self.stage = stage or (lambda message: nullcontext())
+        self.policies = Policies(options.method, options.method_options)
+
+    # --- the steps ---------------------------------------------------------------------------
+    def model(self) -> LoadedModel:
+        """The model, loaded on the first call; a failure is a one-line :class:`ModelError`."""
+        if self.loaded is None:
+            o = self.options
+            failed = None
+            with self.stage(f"loading {o.model} ..."):
+                try:
+                    self.loaded = models.load_model(o.model, device=o.device, dtype=o.dtype)
+                except HybridKVError:
+                    raise
+                except Exception as e:
+                    if not _is_oom(e):
+                        raise ModelError(f"cannot load the model ({type(e).__name__}: {one_line(e)})",
+                                         o.model) from e
+                    failed = one_line(e)
+            if failed is not None:  # outside the handler: the failed load's memory can be released
+                _free_memory()
+                raise ModelError(f"out of memory while loading the model ({failed})", o.model)
+        return self.loaded
+
+    def load_media(self, paths) -> MediaInput:
+        """One input's media, at the model's own frame size unless ``--max-pixels`` says otherwise."""
+        o = self.options
+        max_pixels = models.max_pixels_for(o.model, o.max_pixels)
+        return load_media(list(paths), frames=o.frames, fps=o.fps, max_pixels=max_pixels)
+
+    def prepare(self, media: MediaInput | None, question: str, *, context: str | None = None,
+                source: str | None = None) -> Prepared:
+        """Build the prompt for ``question`` about ``media`` (None: about the text ``context``)
+        and check that it fits the model's context with the tokens to generate."""
+        loaded = self.model()
+        if media is None:
+            source = source or "--context"
+            prompt = build_text_prompt(loaded.tokenizer, context or "", question)
+        else:
+            if context is not None:
+                raise UsageError("give media or a text context, not both", "--context")
+            source = source or media.label
+            loaded.refuse_media(source)
+            prompt = self._guarded(source, build_prompt, loaded.processor, media, question)
+        _check_length(prompt, loaded.context_limit, self.options.max_new_tokens, source)
+        return Prepared(media, prompt, question, source)
+
+    def run(self, prepared: Prepared, policy: Policy, *, max_new_tokens: int | None = None) -> dict:
+        """Generate with ``policy`` and return the result record (README, "JSON output")."""
+        loaded, o = self.model(), self.options
+        with self.stage(f"answering ({policy.name}, budget {policy.budget:g}) ..."):
+            generation = self._guarded(prepared.source, generate, loaded.model, prepared.prompt, policy,
+                                       max_new_tokens=max_new_tokens or o.max_new_tokens,
+                                       defer_question=o.defer_question)
+        return make_record(loaded, prepared.media, prepared.prompt, prepared.question, policy, generation,
+                           o.defer_question)
+
+    # --- the straight line -------------------------------------------------------------------
+    def answer(self, item: Item, question: str, context: str | None = None) -> dict:
+        """The result record for ``item`` (no paths: a text prompt about ``context``); raises a
+        :class:`HybridKVError` for a bad input."""
+        if item.error is not None:
+            raise item.error
+        policy = self.policies.take()
+        media = self.load_media(item.paths) if item.paths else None
+        prepared = self.prepare(media, question, context=context, source=item.key if item.paths else None)
+        return self.run(prepared, policy)
+
+    @staticmethod
+    def _guarded(source: str, step, *args, **kwargs):
+        """``step(*args, **kwargs)``, with running out of memory turned into :class:`OutOfMemoryError`."""
+        failed = None
+        try:
+            return step(*args, **kwargs)
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            where = "device" if isinstance(e, torch.OutOfMemoryError) else "host"
+            failed = str(e)
+        _free_memory()  # here the exception and its frames are gone: the memory can be released
+        m = re.search(r"[Tt]ried to allocate ([\d.]+ ?[KMGT]?i?B)", failed)
+        detail = f" (tried to allocate {m.group(1)})" if m else ""
+        raise OutOfMemoryError(f"out of {where} memory{detail}; try a lower --budget, fewer --frames or a lower "
+                               "--max-pixels", source)
+
+
+def _check_length(prompt: Prompt, limit: int | None, max_new_tokens: int, source: str) -> None:
+    """Raise when the built prompt + ``max_new_tokens`` exceed the model's context ``limit``: a
+    :class:`UsageError` when the question alone does, else :class:`ContextLengthError`."""
+    if not limit:
+        return
+    bulk, text = prompt.visual_tokens, prompt.text_tokens
+    if text + max_new_tokens > limit:
+        raise UsageError(f"the question is too long: {text} text tokens + {max_new_tokens} new tokens exceed the "
+                         f"model's context of {limit} tokens", "QUESTION")
+    if bulk + text + max_new_tokens > limit:
+        fix = "shorten the context" if prompt.role == "context" else "use fewer --frames, a lower --max-pixels"
+        raise ContextLengthError(
+            f"the prompt needs {bulk + text} tokens ({bulk} {prompt.role} + {text} text) + {max_new_tokens} new, "
+            f"more than the model's context of {limit} tokens; {fix}, or a lower --max-new-tokens", source)
+
+
+def _is_oom(e: BaseException) -> bool:
+    """torch's device OOM, Python's MemoryError, or torch's CPU allocator failing."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and re.search(r"can't allocate memory|not enough memory", str(e)) is not None)
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
