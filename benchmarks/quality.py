@@ -39,6 +39,10 @@ VARIANTS = {
     "hkv-detector": ("hybridkv", {"landmark": "detector"}),
     "hkv-minmax": ("hybridkv", {"landmark": "minmax"}),
     "hkv-sink": ("hybridkv", {"sink_aware": True}),
+    "hkv-rcr-sink-0.8": ("hybridkv", {"refresh": "rcr", "sink_aware": True, "refresh_rate": 0.8}),
+    "hkv-rcr-sink-t99": ("hybridkv", {"refresh": "rcr", "sink_aware": True, "theta": 0.99}),
+    "hkv-dyn-detector": ("hybridkv", {"theta": 1.0, "landmark": "detector"}),
+    "hkv-dyn": ("hybridkv", {"theta": 1.0}),
     "rcr": ("rcr", {}),
     "rcr-periodic": ("rcr", {"refresh": "periodic"}),
     **{name: (name, {}) for name in ("snapkv", "lookm", "madakv", "sparsemm", "streamingllm", "quest")},
@@ -94,6 +98,7 @@ def main() -> None:
     parser.add_argument("--variants", default="paper,hybridkv,snapkv")
     parser.add_argument("--reference", help="variant the paired differences are taken against")
     parser.add_argument("--kinds", help="only these row kinds (comma-separated)")
+    parser.add_argument("--limit", type=int, help="only the first N rows (after --kinds)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="rows without their own max_new_tokens")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -105,6 +110,7 @@ def main() -> None:
         pairs = [(t, r) for t, r in zip(tasks, raw) if r.get("kind") in keep]
     else:
         pairs = list(zip(tasks, raw))
+    pairs = pairs[:args.limit]
     budgets = [float(b) for b in args.budgets.split(",")]
     names = args.variants.split(",")
     items: dict[str, list[dict]] = {}

@@ -36,6 +36,15 @@ THETA = typer.Option(0.9, help="HybridKV θ: heads whose sparsity score is >= θ
 TOPK = typer.Option(0.05, help="HybridKV p: the sparsity score is the attention mass on the top p·N tokens.")
 SHARE = typer.Option(0.75, help="HybridKV r: a dynamic head's budget as a share of the average head budget.")
 CHUNK = typer.Option(8, help="HybridKV: tokens per retrieval chunk.")
+SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: score heads without the first 4 "
+                          "tokens (attention sinks) [default: the method's].")
+LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: mean | minmax | detector "
+                        "[default: the method's].")
+REFRESH = typer.Option(None, help="hybridkv (static heads) / rcr: refresh while decoding: rcr | periodic | none "
+                       "[default: the method's].")
+REFRESH_RATE = typer.Option(None, min=0.0, max=1.0, help="rcr refresh: target share of layer-steps that "
+                            "re-select [default: 0.4].")
+REFRESH_PERIOD = typer.Option(None, min=1, help="periodic refresh: every T-th decode step [default: 3].")
 SINKS = typer.Option(None, min=0, help="streamingllm: attention-sink tokens kept at the start [default: 4].")
 PAGE_SIZE = typer.Option(None, min=1, help="quest: tokens per page [default: 8].")
 HEAD_SCORES = typer.Option(None, metavar="FILE", help='sparsemm: JSON {"scores": [[per KV head] per layer]} '
@@ -95,12 +104,19 @@ def _split_args(args: list[str] | None, context: str | None,
     return list(args[:-1]), clean_question(args[-1])
 
 
+def _given(**options) -> dict:
+    """The method options the user set (the rest keep each method's own defaults)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
 @app.command(help=ASK_HELP)
 def ask(
     args: list[str] = ARGS, model: str = MODEL,
     method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`)."),
     budget: float = BUDGET, window: int = WINDOW, theta: float = THETA, sparsity_topk: float = TOPK,
-    share: float = SHARE, chunk_size: int = CHUNK, sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
+    share: float = SHARE, chunk_size: int = CHUNK, sink_aware: Optional[bool] = SINK_AWARE,
+    landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH, refresh_rate: Optional[float] = REFRESH_RATE,
+    refresh_period: Optional[int] = REFRESH_PERIOD, sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
     head_scores: Optional[str] = HEAD_SCORES, frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(128, min=1, help="Greedy decoding length limit."),
@@ -123,12 +139,17 @@ def ask(
         model=model, device=device, dtype=dtype, method=method, frames=frames, fps=fps, max_pixels=max_pixels,
         max_new_tokens=max_new_tokens, defer_question=defer_question,
         method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
-                            chunk_size=chunk_size, sinks=sinks, page_size=page_size, head_scores=head_scores),
+                            chunk_size=chunk_size, sink_aware=sink_aware, landmark=landmark, refresh=refresh,
+                            refresh_rate=refresh_rate, refresh_period=refresh_period, sinks=sinks,
+                            page_size=page_size, head_scores=head_scores),
     )
     session = Session(options, stage=status(quiet))
     policy = session.policies.first()  # validates --method, --budget, ... before any input is read
     for flag, value, name in (("--sinks", sinks, "sinks"), ("--page-size", page_size, "page_size"),
-                              ("--head-scores", head_scores, "head_scores")):
+                              ("--head-scores", head_scores, "head_scores"), ("--refresh", refresh, "refresh"),
+                              ("--refresh-rate", refresh_rate, "refresh_rate"),
+                              ("--refresh-period", refresh_period, "refresh_period"),
+                              ("--landmark", landmark, "landmark"), ("--sink-aware", sink_aware, "sink_aware")):
         if value is not None and name not in policy.options():
             raise UsageError(f"does not apply to method '{method}'", flag)
     batch = each or "-" in paths or jsonl or output is not None
@@ -174,6 +195,8 @@ def ask(
 def profile(
     args: list[str] = ARGS, model: str = MODEL, budget: float = BUDGET, window: int = WINDOW,
     theta: float = THETA, sparsity_topk: float = TOPK, share: float = SHARE, chunk_size: int = CHUNK,
+    sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
+    refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
     budgets: str = typer.Option("0.05,0.1,0.2,0.4,1.0", help="Comma-separated budgets to sweep."),
     out: Optional[Path] = typer.Option(None, help="Directory for the heatmap PNG (and profile.json)."),
     frames: int = FRAMES, fps: Optional[float] = FPS, max_pixels: Optional[int] = MAX_PIXELS,
@@ -206,6 +229,8 @@ def profile(
             session, prepared, budget=budget, budgets=sweep,
             on_run=lambda label: spinner and spinner.update(f"profiling: {label} ..."),
             window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
+            **_given(sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
+                     refresh_period=refresh_period),
         )
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -240,7 +265,9 @@ def bench(
                                           "which always runs)."),
     budgets: str = typer.Option("0.05,0.1,0.2", help="Comma-separated budgets."),
     model: str = MODEL, window: int = WINDOW, theta: float = THETA, sparsity_topk: float = TOPK,
-    share: float = SHARE, chunk_size: int = CHUNK, frames: int = FRAMES, fps: Optional[float] = FPS,
+    share: float = SHARE, chunk_size: int = CHUNK, sink_aware: Optional[bool] = SINK_AWARE,
+    landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH, refresh_rate: Optional[float] = REFRESH_RATE,
+    refresh_period: Optional[int] = REFRESH_PERIOD, frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per run (greedy)."),
     defer_question: bool = DEFER,
@@ -268,7 +295,9 @@ def bench(
                                  defer_question=defer_question), stage=status(quiet))
     session.model()
     result = run_bench(session, inputs, names, sweep, console=err, quiet=quiet, debug=debug, window=window,
-                       theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size)
+                       theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
+                       **_given(sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
+                                refresh_period=refresh_period))
     if out is not None:
         err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
     if as_json:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 
 from hybridkv_cli.compression import Policy
-from hybridkv_cli.generation import Generation
+from hybridkv_cli.generation import Generation, question_length
 from hybridkv_cli.loaded import LoadedModel
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.prompt import Prompt
@@ -52,9 +52,11 @@ def input_record(media: MediaInput | None, prompt: Prompt) -> dict:
 def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, question: str, policy: Policy,
                 run: Generation, defer_question: bool) -> dict:
     """The record of ``run``, the answer to ``question`` about ``media`` (None: a text prompt)."""
-    cached_tokens = run.cache.get_seq_length()
-    full_bytes = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * cached_tokens
-    full_bytes *= loaded.dtype.itemsize
+    per_token = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * loaded.dtype.itemsize
+    full_bytes = per_token * run.cache.get_seq_length()
+    # What the policy compressed: the prompt, or with a deferred question the part before it.
+    compressed = prompt.length - (question_length(prompt) if defer_question else 0)
+    budget_bytes = policy.budget * per_token * compressed
     device_bytes = run.cache.device_bytes()
     steps = len(run.step_s)
     return {
@@ -72,6 +74,8 @@ def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, q
             "host_bytes": run.cache.host_bytes(),
             "full_bytes": full_bytes,
             "ratio_vs_full": device_bytes / full_bytes if full_bytes else None,
+            "prompt_ratio": run.device_bytes_after_prefill / (per_token * compressed),
+            "over_budget_bytes": max(0, round(run.device_bytes_after_prefill - budget_bytes)),
             "prefill_peak_bytes": run.cache.prefill_peak_bytes,
             "cuda_peak_bytes": run.cuda_peak_bytes,
         },

@@ -49,6 +49,10 @@ def render(result: dict, console: Console) -> None:
         f"device {human_bytes(kv['device_bytes'])}, host {human_bytes(kv['host_bytes'])}, "
         f"full {human_bytes(kv['full_bytes'])} ({kv['ratio_vs_full']:.3f} of full)",
     )
+    budget = f"prompt KV after prefill {kv['prompt_ratio']:.3f} of full (budget {result['budget']:g})"
+    if kv["over_budget_bytes"]:
+        budget += f"; over budget by {human_bytes(kv['over_budget_bytes'])}"
+    table.add_row("budget", budget)
     table.add_row("prefill peak", human_bytes(kv["prefill_peak_bytes"]))
     if result.get("traffic"):
         table.add_row("traffic", f"{human_bytes(round(result['traffic']['h2d_bytes_per_step_mean']))} host->device per step")
@@ -60,6 +64,12 @@ def render(result: dict, console: Console) -> None:
             f"({heads['static_share']:.0%} static); per layer: "
             + " ".join(f"{s}/{d}" for s, d in zip(heads["per_layer"]["static"], heads["per_layer"]["dynamic"])),
         )
+    refresh = (heads or {}).get("refresh")
+    if refresh:
+        rate = "-" if refresh["refresh_rate"] is None else f"{refresh['refresh_rate']:.0%}"
+        target = f" (target {refresh['target_rate']:.0%})" if refresh["target_rate"] is not None else ""
+        table.add_row("refresh", f"{refresh['kind']}: {refresh['refreshed_heads']} heads, {rate} of layer-steps"
+                                 f"{target}, {human_bytes(refresh['h2d_bytes'])} host->device")
     table.add_row("model", f"{result['model']} on {result['device']} ({result['dtype']})")
     console.print(table)
 

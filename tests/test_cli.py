@@ -30,7 +30,8 @@ SCHEMA = {
     "decode": {"tokens": int, "ms_per_token_mean": (float, type(None)), "p50": (float, type(None)),
                "p90": (float, type(None))},
     "kv": {"device_bytes": int, "device_bytes_after_prefill": int, "host_bytes": int, "full_bytes": int,
-           "ratio_vs_full": (float, type(None)), "prefill_peak_bytes": int, "cuda_peak_bytes": (int, type(None))},
+           "ratio_vs_full": (float, type(None)), "prompt_ratio": float, "over_budget_bytes": int,
+           "prefill_peak_bytes": int, "cuda_peak_bytes": (int, type(None))},
     "traffic": (dict, type(None)), "heads": (dict, type(None)), "model": str, "device": str, "dtype": str,
     "note": (str, type(None)),
 }
@@ -113,6 +114,11 @@ def clip(tmp_path_factory):
     (["{clip}", "q", "--nope"], "error: No such option: --nope"),
     (["{clip}", "q", "--frames", "0"], "error: frames must be positive"),
     (["{clip}", "q", "--sinks", "2"], "error: --sinks: does not apply to method 'hybridkv'"),
+    (["{clip}", "q", "--method", "snapkv", "--refresh", "rcr"], "error: --refresh: does not apply to method 'snapkv'"),
+    (["{clip}", "q", "--landmark", "nope"],
+     "error: --landmark: landmark must be one of mean, minmax, detector, got 'nope'"),
+    (["{clip}", "q", "--method", "rcr", "--refresh", "often"],
+     "error: --refresh: refresh must be one of none, rcr, periodic, got 'often'"),
     (["{clip}", "q", "--method", "sparsemm", "--head-scores", "/nope.json"],
      "error: /nope.json: head-score file not found"),
 ])
@@ -146,9 +152,12 @@ def test_debug_shows_the_traceback(tmp_path):
 
 def test_method_flags_reach_the_method(clip, capsys):
     for flags, key, value in ((["--method", "streamingllm", "--sinks", "2"], "sinks", 2),
-                              (["--method", "quest", "--page-size", "4"], "page_size", 4)):
+                              (["--method", "quest", "--page-size", "4"], "page_size", 4),
+                              (["--landmark", "detector", "--sink-aware"], "landmark", "detector"),
+                              (["--method", "rcr", "--refresh", "periodic"], "refresh", "periodic")):
         assert cli.run(["ask", str(clip), "What?", "--json", "-q", *flags, *FAST]) == 0
-        assert json.loads(capsys.readouterr().out)["heads"][key] == value
+        heads = json.loads(capsys.readouterr().out)["heads"]
+        assert (heads[key]["kind"] if key == "refresh" else heads[key]) == value
 
 
 def test_human_report_on_stdout_nothing_else(clip, capsys):
