@@ -29,7 +29,7 @@ from hybridkv_cli.stats import bootstrap_ci, paired_diff_ci
 
 # name -> (method, options). "paper" is HybridKV with the paper's settings and no refresh.
 VARIANTS = {
-    "paper": ("hybridkv", {"refresh": "none", "landmark": "mean", "sink_aware": False}),
+    "paper": ("hybridkv", {"refresh": "none", "landmark": "mean", "sink_aware": False, "chunk_size": 8}),
     "hybridkv": ("hybridkv", {}),  # the shipped defaults
     "hkv-rcr": ("hybridkv", {"refresh": "rcr"}),
     "hkv-periodic": ("hybridkv", {"refresh": "periodic"}),
@@ -43,6 +43,12 @@ VARIANTS = {
     "hkv-rcr-sink-t99": ("hybridkv", {"refresh": "rcr", "sink_aware": True, "theta": 0.99}),
     "hkv-dyn-detector": ("hybridkv", {"theta": 1.0, "landmark": "detector"}),
     "hkv-dyn": ("hybridkv", {"theta": 1.0}),
+    "hkv-dyn-minmax": ("hybridkv", {"theta": 1.0, "landmark": "minmax"}),
+    "hkv-rcr-sink-detector": ("hybridkv", {"refresh": "rcr", "sink_aware": True, "landmark": "detector"}),
+    "hkv-rcr-sink-minmax": ("hybridkv", {"refresh": "rcr", "sink_aware": True, "landmark": "minmax"}),
+    "hkv-rcr-sink-c16": ("hybridkv", {"refresh": "rcr", "sink_aware": True, "chunk_size": 16}),
+    "hkv-rcr-sink-r1": ("hybridkv", {"refresh": "rcr", "sink_aware": True, "share": 1.0}),
+    "hkv-periodic-sink": ("hybridkv", {"refresh": "periodic", "sink_aware": True}),
     "rcr": ("rcr", {}),
     "rcr-periodic": ("rcr", {"refresh": "periodic"}),
     **{name: (name, {}) for name in ("snapkv", "lookm", "madakv", "sparsemm", "streamingllm", "quest")},
@@ -83,10 +89,10 @@ def summarise(items: list[dict], reference: dict[str, list[dict]] | None) -> dic
         **{k: mean(k) for k in ("prompt_kv_ratio", "h2d_per_step", "ms_per_token", "refresh_rate")},
     }
     if reference is not None:
-        ids = [i["id"] for i in items]
         ref = {i["id"]: i for i in reference}
         key = "correct" if acc else "fidelity"
-        out["diff_vs_reference"] = paired_diff_ci([float(i[key]) for i in items], [float(ref[k][key]) for k in ids])
+        pairs = [(float(i[key]), float(ref[i["id"]][key])) for i in items if i[key] is not None]
+        out["diff_vs_reference"] = paired_diff_ci([a for a, _ in pairs], [b for _, b in pairs])
     return out
 
 
@@ -98,10 +104,16 @@ def main() -> None:
     parser.add_argument("--variants", default="paper,hybridkv,snapkv")
     parser.add_argument("--reference", help="variant the paired differences are taken against")
     parser.add_argument("--kinds", help="only these row kinds (comma-separated)")
-    parser.add_argument("--limit", type=int, help="only the first N rows (after --kinds)")
+    parser.add_argument("--rows", help="only rows START:END (after --kinds), e.g. to split a run over processes")
+    parser.add_argument("--merge", nargs="+", type=Path, help="tabulate the items of earlier --out files instead")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="rows without their own max_new_tokens")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.merge:
+        runs = [json.loads(path.read_text()) for path in args.merge]
+        items = {key: [i for run in runs for i in run["items"].get(key, [])] for key in runs[0]["items"]}
+        return report(items, args, {"tasks": runs[0]["tasks"], "model": runs[0]["model"],
+                                    "budgets": runs[0]["budgets"], "variants": runs[0]["variants"]})
     loaded = load_model(args.model, device="cpu")
     tasks = read_tasks(args.tasks)
     raw = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
@@ -110,7 +122,8 @@ def main() -> None:
         pairs = [(t, r) for t, r in zip(tasks, raw) if r.get("kind") in keep]
     else:
         pairs = list(zip(tasks, raw))
-    pairs = pairs[:args.limit]
+    start, _, end = (args.rows or ":").partition(":")
+    pairs = pairs[int(start or 0):int(end) if end else None]
     budgets = [float(b) for b in args.budgets.split(",")]
     names = args.variants.split(",")
     items: dict[str, list[dict]] = {}
@@ -128,6 +141,12 @@ def main() -> None:
                 items.setdefault(f"{name}@{budget}", []).append({"id": task.id, "kind": row.get("kind"), **r})
                 print(f"{task.id:28s} {name:18s} b={budget} {r['correct']!s:5s} fid={r['fidelity']:.2f} "
                       f"{r['answer'][:40]!r} ({r['seconds']:.1f}s)", file=sys.stderr, flush=True)
+    report(items, args, {"tasks": args.tasks, "model": args.model, "budgets": budgets,
+                         "variants": {n: VARIANTS[n] for n in names}})
+
+
+def report(items: dict[str, list[dict]], args, config: dict) -> None:
+    """Print the table and write ``--out`` (config, per-variant summaries, every item)."""
     kinds = sorted({i["kind"] for i in items["full"]})
     table = {}
     for key, rows in items.items():
@@ -145,9 +164,7 @@ def main() -> None:
               f"ms/tok {s['ms_per_token'] or 0:.1f} refresh {fmt(s['refresh_rate'])} | " + " | ".join(cells))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"tasks": args.tasks, "model": args.model, "budgets": budgets,
-                                        "variants": {n: VARIANTS[n] for n in names}, "table": table,
-                                        "items": items}, indent=1))
+        args.out.write_text(json.dumps({**config, "table": table, "items": items}, indent=1))
 
 
 def fmt(x) -> str:

@@ -35,7 +35,7 @@ WINDOW = typer.Option(32, help="Observation window: last prompt positions used f
 THETA = typer.Option(0.9, help="HybridKV θ: heads whose sparsity score is >= θ are static.")
 TOPK = typer.Option(0.05, help="HybridKV p: the sparsity score is the attention mass on the top p·N tokens.")
 SHARE = typer.Option(0.75, help="HybridKV r: a dynamic head's budget as a share of the average head budget.")
-CHUNK = typer.Option(8, help="HybridKV: tokens per retrieval chunk.")
+CHUNK = typer.Option(None, min=1, help="HybridKV: tokens per retrieval chunk [default: 16].")
 SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: score heads without the first 4 "
                           "tokens (attention sinks) [default: the method's].")
 LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: mean | minmax | detector "
@@ -114,7 +114,7 @@ def ask(
     args: list[str] = ARGS, model: str = MODEL,
     method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`)."),
     budget: float = BUDGET, window: int = WINDOW, theta: float = THETA, sparsity_topk: float = TOPK,
-    share: float = SHARE, chunk_size: int = CHUNK, sink_aware: Optional[bool] = SINK_AWARE,
+    share: float = SHARE, chunk_size: Optional[int] = CHUNK, sink_aware: Optional[bool] = SINK_AWARE,
     landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH, refresh_rate: Optional[float] = REFRESH_RATE,
     refresh_period: Optional[int] = REFRESH_PERIOD, sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
     head_scores: Optional[str] = HEAD_SCORES, frames: int = FRAMES, fps: Optional[float] = FPS,
@@ -194,7 +194,7 @@ def ask(
 @app.command()
 def profile(
     args: list[str] = ARGS, model: str = MODEL, budget: float = BUDGET, window: int = WINDOW,
-    theta: float = THETA, sparsity_topk: float = TOPK, share: float = SHARE, chunk_size: int = CHUNK,
+    theta: float = THETA, sparsity_topk: float = TOPK, share: float = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
     refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
     budgets: str = typer.Option("0.05,0.1,0.2,0.4,1.0", help="Comma-separated budgets to sweep."),
@@ -265,7 +265,7 @@ def bench(
                                           "which always runs)."),
     budgets: str = typer.Option("0.05,0.1,0.2", help="Comma-separated budgets."),
     model: str = MODEL, window: int = WINDOW, theta: float = THETA, sparsity_topk: float = TOPK,
-    share: float = SHARE, chunk_size: int = CHUNK, sink_aware: Optional[bool] = SINK_AWARE,
+    share: float = SHARE, chunk_size: Optional[int] = CHUNK, sink_aware: Optional[bool] = SINK_AWARE,
     landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH, refresh_rate: Optional[float] = REFRESH_RATE,
     refresh_period: Optional[int] = REFRESH_PERIOD, frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
