@@ -98,8 +98,6 @@ class HybridKV(Policy):
         ρ, the share of layer-steps that refresh (``rcr``).
     refresh_period : int
         T (``periodic``).
-    refresh_anchor : float
-        Share of a refreshed head's slots that keep the prefill selection throughout.
     """
 
     budget: float = 0.1
@@ -113,7 +111,6 @@ class HybridKV(Policy):
     refresh: str = "rcr"
     refresh_rate: float = 0.4
     refresh_period: int = 3
-    refresh_anchor: float = 0.0
     records: dict[int, LayerRecord] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -181,8 +178,7 @@ class HybridKV(Policy):
             first = text_prior_keep(pooled[heads, :span], layer.visual[:span], 0, slots[heads])
             best_first = pooled[heads, :span].masked_fill(~first, float("-inf"))
             selection = best_first.topk(int(slots[heads[0]]), dim=1).indices
-            options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period,
-                                     anchor=self.refresh_anchor)
+            options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period)
             controller = layer.run.setdefault("refresh", RateController(options, layer.keys.device))
             refresher = Refresher.offload(layer.keys, layer.values, heads, store, selection, options, controller)
         self.records[layer.index] = LayerRecord(sparsity.tolist(), plan, n, window, refresher, fallback)

@@ -37,15 +37,12 @@ class RCR(Policy):
         ρ, the share of layer-steps that refresh.
     refresh_period : int
         T for ``periodic``.
-    refresh_anchor : float
-        Share of the slots that keep the prefill selection throughout.
     """
 
     budget: float = 0.1
     refresh: str = "rcr"
     refresh_rate: float = 0.4
     refresh_period: int = 3
-    refresh_anchor: float = 0.0
     records: dict[int, tuple[int, int, Refresher | None]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -54,8 +51,7 @@ class RCR(Policy):
     def compress(self, layer: PrefillLayer) -> HybridLayerKV:
         n, heads = layer.length, layer.num_heads
         _, pooled, _ = window_attention(layer, self.window)
-        options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period,
-                                     anchor=self.refresh_anchor)
+        options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period)
         overhead = 0
         if self.refresh != "none" and self.budget < 1:
             overhead = Refresher.device_bytes_for(heads, math.ceil(self.budget * n), n, layer.keys.shape[-1],

@@ -53,9 +53,6 @@ class RefreshOptions:
         R, channels of the low-rank detector.
     candidates : int
         Candidates per kept slot (4 in the paper: ``4n`` exact keys read per refresh).
-    anchor : float
-        Share of the slots that keep the prefill selection's best tokens for the whole
-        generation (what the question pointed at stays; the rest follows the current query).
     eta : float
         Controller gain η.
     tau : float | None
@@ -68,7 +65,6 @@ class RefreshOptions:
     period: int = 3
     rank: int = 8
     candidates: int = 4
-    anchor: float = 0.0
     eta: float = 0.05
     tau: float | None = None
 
@@ -106,7 +102,7 @@ class Refresher:
     slot_base : LongTensor [H_r]
         Store row of each head's first slot; the head's resident tail follows its slots.
     resident : LongTensor [H_r, n]
-        Position held by each slot; the first ``anchored`` slots are never re-selected.
+        Position held by each slot.
     tail : int
         Rows after the slots in each head's segment (the window).
     """
@@ -141,8 +137,7 @@ class Refresher:
         store : RaggedStore
             Already holds each refreshed head's tail and reserves ``n`` slot rows before it.
         selection : LongTensor [H_r, n]
-            Positions (< P) the slots start with (the prefill selection, best first: the first
-            ``anchor`` share of them stays for the whole generation).
+            Positions (< P) the slots start with (the prefill selection).
         """
         slots = selection.shape[1]
         tail = int(store.lengths[heads[0]]) - slots if len(heads) else 0
@@ -201,26 +196,17 @@ class Refresher:
             return torch.tensor(fired, device=drift.device)
         return self.controller.trigger(drift)
 
-    @property
-    def anchored(self) -> int:
-        return int(self.options.anchor * self.resident.shape[1])
-
     def _candidates(self) -> int:
-        free = self.resident.shape[1] - self.anchored
-        return min(self.options.candidates * free, self.host_k.shape[1] - self.anchored)
+        return min(self.options.candidates * self.resident.shape[1], self.host_k.shape[1])
 
     def _reselect(self, q: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
-        """The anchored slots as they are, the others: the top positions among the detector's
-        top candidates, by exact logit."""
-        fixed = self.resident[:, :self.anchored]
+        """The top ``n`` positions among the detector's top candidates, by exact logit."""
         score = approx.amax(dim=1).scatter_(1, self.resident, kept.amax(dim=1))  # kept: exact
-        score.scatter_(1, fixed, float("-inf"))
         cand = score.topk(self._candidates(), dim=1).indices  # [H_r, 4n]
         host_rows = (torch.arange(len(self.heads), device=q.device)[:, None] * self.host_k.shape[1] + cand)
         keys = self.host_k.view(-1, self.host_k.shape[-1])[host_rows.to(self.host_k.device)]
         exact = torch.bmm(q, keys.to(q.device).float().transpose(1, 2)).amax(dim=1)  # [H_r, 4n]
-        picked = cand.gather(1, exact.topk(self.resident.shape[1] - self.anchored, dim=1).indices)
-        return torch.cat([fixed, picked], dim=1)
+        return cand.gather(1, exact.topk(self.resident.shape[1], dim=1).indices)
 
     def stats(self) -> dict[str, torch.Tensor | int]:
         return {"steps": self.steps, "refreshes": self.refreshes, "key_bytes": self.key_reads}
