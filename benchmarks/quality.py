@@ -126,6 +126,7 @@ def main() -> None:
     pairs = pairs[int(start or 0):int(end) if end else None]
     budgets = [float(b) for b in args.budgets.split(",")]
     names = args.variants.split(",")
+    config = {"tasks": args.tasks, "model": args.model, "budgets": budgets, "variants": {n: VARIANTS[n] for n in names}}
     items: dict[str, list[dict]] = {}
     full_out: dict[str, str] = {}
     for task, row in pairs:
@@ -141,8 +142,10 @@ def main() -> None:
                 items.setdefault(f"{name}@{budget}", []).append({"id": task.id, "kind": row.get("kind"), **r})
                 print(f"{task.id:28s} {name:18s} b={budget} {r['correct']!s:5s} fid={r['fidelity']:.2f} "
                       f"{r['answer'][:40]!r} ({r['seconds']:.1f}s)", file=sys.stderr, flush=True)
-    report(items, args, {"tasks": args.tasks, "model": args.model, "budgets": budgets,
-                         "variants": {n: VARIANTS[n] for n in names}})
+        if args.out:  # after every row: an interrupted run keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({**config, "items": items}))
+    report(items, args, config)
 
 
 def report(items: dict[str, list[dict]], args, config: dict) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv_cli.compression.detector import LowRankKeys
-from hybridkv_cli.compression.store import RaggedStore, tensor_bytes
+from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
 from hybridkv_kernels import chunk_gather
 
 REFRESH_KINDS = ("none", "rcr", "periodic")
@@ -142,11 +142,7 @@ class Refresher:
         slots = selection.shape[1]
         tail = int(store.lengths[heads[0]]) - slots if len(heads) else 0
         span = keys.shape[1] - tail
-        pin = keys.is_cuda
-        host_k = torch.empty((len(heads), span, 1, keys.shape[-1]), dtype=keys.dtype, pin_memory=pin)
-        host_v = torch.empty_like(host_k, pin_memory=pin)
-        host_k.copy_(keys[heads, :span].unsqueeze(2))
-        host_v.copy_(values[heads, :span].unsqueeze(2))
+        host_k, host_v = to_host(keys[heads, :span].unsqueeze(2)), to_host(values[heads, :span].unsqueeze(2))
         detector = LowRankKeys.build(keys[heads, :span], options.rank)
         slot_base = store.offsets[heads].clone()
         resident = torch.full_like(selection, -1)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv_cli.compression.landmarks import LANDMARKS
-from hybridkv_cli.compression.store import RaggedStore, tensor_bytes
+from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
 from hybridkv_kernels import chunk_gather
 
 
@@ -61,11 +61,7 @@ class DynamicHeads:
         k = keys[heads, :span].reshape(len(heads), num_chunks, chunk, dim)
         v = values[heads, :span].reshape(len(heads), num_chunks, chunk, dim)
         landmarks = LANDMARKS[landmark].build(k)
-        pin = keys.is_cuda
-        host_k = torch.empty(k.shape, dtype=k.dtype, pin_memory=pin)
-        host_v = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)
-        host_k.copy_(k)
-        host_v.copy_(v)
+        host_k, host_v = to_host(k), to_host(v)
         resident = torch.full((len(heads), chunks), -1, dtype=torch.long, device=keys.device)
         return cls(heads, host_k, host_v, landmarks, store.offsets[heads].clone(), resident)
 

@@ -23,6 +23,13 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of ``tensor``, pinned when it comes from CUDA (so copies back to
+    the device can be asynchronous and a kernel can read it in place)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    return host.copy_(tensor)
+
+
 @dataclass
 class RaggedStore:
     """Device KV of one layer.
