@@ -52,6 +52,8 @@ def render(result: dict, console: Console) -> None:
     budget = f"prompt KV after prefill {kv['prompt_ratio']:.3f} of full (budget {result['budget']:g})"
     if kv["over_budget_bytes"]:
         budget += f"; over budget by {human_bytes(kv['over_budget_bytes'])}"
+    if 0 in ((result.get("heads") or {}).get("window") or [1]):
+        budget += "; below a usable minimum: too few entries per head for an observation window"
     table.add_row("budget", budget)
     table.add_row("prefill peak", human_bytes(kv["prefill_peak_bytes"]))
     if result.get("traffic"):
