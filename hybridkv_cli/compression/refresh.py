@@ -204,9 +204,6 @@ class Refresher:
         exact = torch.bmm(q, keys.to(q.device).float().transpose(1, 2)).amax(dim=1)  # [H_r, 4n]
         return cand.gather(1, exact.topk(self.resident.shape[1], dim=1).indices)
 
-    def stats(self) -> dict[str, torch.Tensor | int]:
-        return {"steps": self.steps, "refreshes": self.refreshes, "key_bytes": self.key_reads}
-
     def device_bytes(self) -> int:
         return self.detector.device_bytes() + tensor_bytes(self.heads, self.slot_base, self.resident)
 
