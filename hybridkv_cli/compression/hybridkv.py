@@ -179,7 +179,7 @@ class HybridKV(Policy):
             best_first = pooled[heads, :span].masked_fill(~first, float("-inf"))
             selection = best_first.topk(int(slots[heads[0]]), dim=1).indices
             options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period)
-            controller = layer.run.setdefault("refresh", RateController(options, layer.keys.device))
+            controller = RateController.shared(layer.run, options, layer.keys.device)
             refresher = Refresher.offload(layer.keys, layer.values, heads, store, selection, options, controller)
         self.records[layer.index] = LayerRecord(sparsity.tolist(), plan, n, window, refresher, fallback)
         return HybridLayerKV(store, retrieval, refresher)

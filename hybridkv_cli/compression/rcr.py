@@ -68,7 +68,7 @@ class RCR(Policy):
         keep[:, span:] = True
         store = RaggedStore.build(layer.keys, layer.values, keep, counts - window)
         selection = pooled[:, :span].topk(slots, dim=1).indices
-        controller = layer.run.setdefault("refresh", RateController(options, layer.keys.device))
+        controller = RateController.shared(layer.run, options, layer.keys.device)
         every = torch.arange(heads, device=layer.keys.device)
         refresher = Refresher.offload(layer.keys, layer.values, every, store, selection, options, controller)
         self.records[layer.index] = (window, slots, refresher)

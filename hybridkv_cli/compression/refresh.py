@@ -79,6 +79,14 @@ class RateController:
         self.options = options
         self.tau = torch.tensor(-1.0 if options.tau is None else options.tau, device=device)
 
+    @classmethod
+    def shared(cls, run: dict, options: RefreshOptions, device: torch.device) -> "RateController":
+        """The generation's one controller, made by the first layer that refreshes (``run`` is
+        the generation's scratch space, :attr:`PrefillLayer.run`)."""
+        if "refresh" not in run:
+            run["refresh"] = cls(options, device)
+        return run["refresh"]
+
     def trigger(self, drift: torch.Tensor) -> torch.Tensor:
         """Whether ``drift`` (0-d) exceeds τ; updates τ with the outcome."""
         self.tau.copy_(torch.where(self.tau < 0, drift, self.tau))  # unset: start at this drift
