@@ -75,7 +75,7 @@ def run(model, prompt: Prompt, spec: str, budget: float, new_tokens: int) -> dic
     cfg = model.config.get_text_config()
     full_prompt_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 128 * prompt.length * model.dtype.itemsize
     steps = len(out.step_s)
-    heads = policy.summary()
+    heads = out.cache.summary()
     return {
         "method": spec,
         "budget": policy.budget,

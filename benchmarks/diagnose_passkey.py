@@ -69,7 +69,7 @@ def diagnose(loaded, task, budget: float, options: dict, new_tokens: int) -> dic
     key_t = torch.tensor(key)
     for index, layer in enumerate(run.cache.layers):
         kv = layer.kv
-        record = policy.records[index]
+        record = run.cache.reports[index]
         row = {"static": int(record.plan.static.sum()), "window": record.window}
         mask = static_kept.get(index) if int(record.plan.static.sum()) and kv.refresher is None else None
         if mask is not None and len(mask):

@@ -38,8 +38,8 @@ def ask(
     defer_question : bool
         Compress the cache before the question is read (see :func:`hybridkv_cli.generation.generate`).
     **options
-        The method's parameters (``budget``, ``window``, ``theta``, ...), ignored where a method
-        does not take them.
+        The method's parameters (``budget``, ``window``, ``theta``, ...); one the method does not
+        take raises :class:`~hybridkv_cli.errors.UsageError`.
 
     Returns
     -------

@@ -60,6 +60,8 @@ def parse_methods(text: str | None) -> list[str]:
 
 def parse_budgets(text: str) -> list[float]:
     """Comma-separated budgets in (0, 1], sorted, without duplicates."""
+    from hybridkv_cli.compression.base import check_budget
+
     try:
         budgets = sorted({float(b) for b in text.split(",") if b.strip()})
     except ValueError:
@@ -67,9 +69,24 @@ def parse_budgets(text: str) -> list[float]:
     if not budgets:
         raise UsageError("give at least one budget", "--budgets")
     for b in budgets:
-        if not 0 < b <= 1:
-            raise UsageError(f"budget must be in (0, 1], got {b:g}", "--budgets")
+        check_budget(b, "--budgets")
     return budgets
+
+
+def method_options(methods: list[str], options: dict) -> dict[str, dict]:
+    """Per method, the given ``options`` (None: not given) that it takes; an option none of
+    ``methods`` takes, or a value a method refuses, is a usage error naming its flag."""
+    from hybridkv_cli.compression import METHODS, make_policy
+
+    given = {k: v for k, v in options.items() if v is not None}
+    taken = {m: {k: v for k, v in given.items() if k in METHODS[m].options()} for m in methods}
+    for option in sorted(given):
+        if not any(option in kw for kw in taken.values()):
+            raise UsageError(f"does not apply to any of the methods {', '.join(methods)}",
+                             "--" + option.replace("_", "-"))
+    for method, kw in taken.items():
+        make_policy(method, **kw)  # refuses bad values before any input runs
+    return taken
 
 
 # --- tasks ----------------------------------------------------------------------------------------
@@ -187,7 +204,7 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
 
     Each task's media is loaded and its prompt built once for all its runs; frames, pixels,
     ``max_new_tokens`` and ``defer_question`` are the session's options. ``options`` (window,
-    theta, ...) go to every method that takes them. A run that fails (its input's media, the
+    theta, ...; None: not given) go to every method that takes them (:func:`method_options`). A run that fails (its input's media, the
     device memory, ...) becomes an item with ``error`` set and the others go on; ``debug``
     re-raises unexpected exceptions. Progress and errors are shown on ``console`` (stderr)
     unless ``quiet``.
@@ -204,6 +221,7 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
     if with_media is not None:
         loaded.refuse_media(with_media.id)
     runs = plan_runs(methods, budgets)
+    per_method = {REFERENCE: {}, **method_options(methods, options)}
     items: list[dict] = []
     progress = Progress(console, len(tasks) * len(runs), quiet=quiet or console is None)
     warm = False
@@ -238,7 +256,7 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
                 progress.begin(key)
                 started = time.perf_counter()
                 try:
-                    result = session.run(prepared, make_policy(method, budget=budget, **options))
+                    result = session.run(prepared, make_policy(method, budget=budget, **per_method[method]))
                 except Exception as e:
                     items.append(_record(task, method, budget, error=failed(key, e)))
                     progress.finish(key, False, time.perf_counter() - started)
@@ -249,7 +267,7 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
                 progress.finish(key, True, time.perf_counter() - started)
     config = {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
               "methods": methods, "budgets": budgets, "max_new_tokens": settings.max_new_tokens,
-              "options": {**options, "defer_question": settings.defer_question}, "frames": settings.frames,
+              "options": {**{k: v for k, v in options.items() if v is not None}, "defer_question": settings.defer_question}, "frames": settings.frames,
               "fps": settings.fps, "max_pixels": settings.max_pixels, "inputs": len(tasks), "note": note(loaded)}
     return {"config": config, "aggregates": aggregate(items, runs), "items": items}
 

@@ -30,11 +30,15 @@ MODEL = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help="Hub id, local director
                      "model), 'demo-random', 'smollm2' or a .gguf file (text models).")
 CONTEXT = typer.Option(None, "--context", metavar="FILE", help="Ask about the text in FILE instead of media "
                        "(a text prompt: its tokens take the visual tokens' role); - reads stdin.")
-BUDGET = typer.Option(0.1, help="Device-resident prompt KV as a share of the full cache, in (0, 1].")
-WINDOW = typer.Option(32, help="Observation window: last prompt positions used for scoring, always kept.")
-THETA = typer.Option(0.9, help="HybridKV θ: heads whose sparsity score is >= θ are static.")
-TOPK = typer.Option(0.05, help="HybridKV p: the sparsity score is the attention mass on the top p·N tokens.")
-SHARE = typer.Option(0.75, help="HybridKV r: a dynamic head's budget as a share of the average head budget.")
+BUDGET = typer.Option(None, help="Device-resident prompt KV as a share of the full cache, in (0, 1] [default: 0.1; "
+                      "full: always 1].")
+WINDOW = typer.Option(None, min=1, help="Methods that score with the last prompt queries (hybridkv, rcr, snapkv, "
+                      "madakv, sparsemm): observation window, always kept [default: 32].")
+THETA = typer.Option(None, help="HybridKV θ: heads whose sparsity score is >= θ are static [default: 0.9].")
+TOPK = typer.Option(None, help="HybridKV p: the sparsity score is the attention mass on the top p·N tokens "
+                    "[default: 0.05].")
+SHARE = typer.Option(None, help="HybridKV r: a dynamic head's budget as a share of the average head budget "
+                     "[default: 0.75].")
 CHUNK = typer.Option(None, min=1, help="HybridKV: tokens per retrieval chunk [default: 16].")
 SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: score heads without the first 4 "
                           "tokens (attention sinks) [default: the method's].")
@@ -104,19 +108,15 @@ def _split_args(args: list[str] | None, context: str | None,
     return list(args[:-1]), clean_question(args[-1])
 
 
-def _given(**options) -> dict:
-    """The method options the user set (the rest keep each method's own defaults)."""
-    return {k: v for k, v in options.items() if v is not None}
-
-
 @app.command(help=ASK_HELP)
 def ask(
     args: list[str] = ARGS, model: str = MODEL,
     method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`)."),
-    budget: float = BUDGET, window: int = WINDOW, theta: float = THETA, sparsity_topk: float = TOPK,
-    share: float = SHARE, chunk_size: Optional[int] = CHUNK, sink_aware: Optional[bool] = SINK_AWARE,
-    landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH, refresh_rate: Optional[float] = REFRESH_RATE,
-    refresh_period: Optional[int] = REFRESH_PERIOD, sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
+    budget: Optional[float] = BUDGET, window: Optional[int] = WINDOW, theta: Optional[float] = THETA,
+    sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
+    sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
+    refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
+    sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
     head_scores: Optional[str] = HEAD_SCORES, frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(128, min=1, help="Greedy decoding length limit."),
@@ -143,15 +143,7 @@ def ask(
                             refresh_rate=refresh_rate, refresh_period=refresh_period, sinks=sinks,
                             page_size=page_size, head_scores=head_scores),
     )
-    session = Session(options, stage=status(quiet))
-    policy = session.policies.first()  # validates --method, --budget, ... before any input is read
-    for flag, value, name in (("--sinks", sinks, "sinks"), ("--page-size", page_size, "page_size"),
-                              ("--head-scores", head_scores, "head_scores"), ("--refresh", refresh, "refresh"),
-                              ("--refresh-rate", refresh_rate, "refresh_rate"),
-                              ("--refresh-period", refresh_period, "refresh_period"),
-                              ("--landmark", landmark, "landmark"), ("--sink-aware", sink_aware, "sink_aware")):
-        if value is not None and name not in policy.options():
-            raise UsageError(f"does not apply to method '{method}'", flag)
+    session = Session(options, stage=status(quiet))  # refuses a bad method or option before any input is read
     batch = each or "-" in paths or jsonl or output is not None
     if as_json and jsonl:
         raise UsageError("--json and --jsonl exclude each other (--jsonl: one line per input)", "--json")
@@ -193,8 +185,10 @@ def ask(
 
 @app.command()
 def profile(
-    args: list[str] = ARGS, model: str = MODEL, budget: float = BUDGET, window: int = WINDOW,
-    theta: float = THETA, sparsity_topk: float = TOPK, share: float = SHARE, chunk_size: Optional[int] = CHUNK,
+    args: list[str] = ARGS, model: str = MODEL,
+    budget: float = typer.Option(0.1, help="The budget whose heads and answer are shown, in (0, 1]."),
+    window: Optional[int] = WINDOW, theta: Optional[float] = THETA, sparsity_topk: Optional[float] = TOPK,
+    share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
     refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
     budgets: str = typer.Option("0.05,0.1,0.2,0.4,1.0", help="Comma-separated budgets to sweep."),
@@ -205,6 +199,7 @@ def profile(
     context: Optional[str] = CONTEXT,
 ):
     """Per-head sparsity and classes, the budget allocation, and a budget sweep with fidelity."""
+    from hybridkv_cli.bench import parse_budgets
     from hybridkv_cli.compression import make_policy
     from hybridkv_cli.inputs import Item, read_context
     from hybridkv_cli.profile import profile as run_profile
@@ -212,12 +207,11 @@ def profile(
     from hybridkv_cli.session import AskOptions, Session
 
     _state["debug"] = debug
-    try:
-        sweep = tuple(float(b) for b in budgets.split(",") if b.strip())
-    except ValueError:
-        raise UsageError(f"not a comma-separated list of numbers: '{budgets}'", "--budgets") from None
-    for b in (*sweep, budget):
-        make_policy("hybridkv", budget=b)  # validates the range
+    sweep = tuple(parse_budgets(budgets))
+    options = dict(window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
+                   sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
+                   refresh_period=refresh_period)
+    make_policy("hybridkv", budget=budget, **options)  # refuses bad values before the model loads
     paths, question = _split_args(args, context)
     session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens), stage=status(quiet))
@@ -227,10 +221,7 @@ def profile(
     with (nullcontext() if quiet else err.status("profiling ...")) as spinner:
         result = run_profile(
             session, prepared, budget=budget, budgets=sweep,
-            on_run=lambda label: spinner and spinner.update(f"profiling: {label} ..."),
-            window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
-            **_given(sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
-                     refresh_period=refresh_period),
+            on_run=lambda label: spinner and spinner.update(f"profiling: {label} ..."), **options,
         )
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -264,10 +255,11 @@ def bench(
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: every one but full, "
                                           "which always runs)."),
     budgets: str = typer.Option("0.05,0.1,0.2", help="Comma-separated budgets."),
-    model: str = MODEL, window: int = WINDOW, theta: float = THETA, sparsity_topk: float = TOPK,
-    share: float = SHARE, chunk_size: Optional[int] = CHUNK, sink_aware: Optional[bool] = SINK_AWARE,
-    landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH, refresh_rate: Optional[float] = REFRESH_RATE,
-    refresh_period: Optional[int] = REFRESH_PERIOD, frames: int = FRAMES, fps: Optional[float] = FPS,
+    model: str = MODEL, window: Optional[int] = WINDOW, theta: Optional[float] = THETA,
+    sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
+    sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
+    refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
+    frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per run (greedy)."),
     defer_question: bool = DEFER,
@@ -276,13 +268,17 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="Print the JSON (config, aggregates, items), not the table."),
     quiet: bool = QUIET, debug: bool = DEBUG,
 ):
-    from hybridkv_cli.bench import Task, parse_budgets, parse_methods, read_tasks, run_bench
+    from hybridkv_cli.bench import Task, method_options, parse_budgets, parse_methods, read_tasks, run_bench
     from hybridkv_cli.bench_report import render_bench, save
     from hybridkv_cli.inputs import Item
     from hybridkv_cli.session import AskOptions, Session
 
     _state["debug"] = debug
     names, sweep = parse_methods(methods), parse_budgets(budgets)
+    options = dict(window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
+                   sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
+                   refresh_period=refresh_period)
+    method_options(names, options)  # refuses what no method takes before anything loads
     if tasks is not None:
         if args or answer:
             raise UsageError("give either --tasks FILE or MEDIA... QUESTION [--answer A], not both", "--tasks")
@@ -294,10 +290,7 @@ def bench(
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens,
                                  defer_question=defer_question), stage=status(quiet))
     session.model()
-    result = run_bench(session, inputs, names, sweep, console=err, quiet=quiet, debug=debug, window=window,
-                       theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
-                       **_given(sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
-                                refresh_period=refresh_period))
+    result = run_bench(session, inputs, names, sweep, console=err, quiet=quiet, debug=debug, **options)
     if out is not None:
         err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
     if as_json:

@@ -22,17 +22,17 @@ def profile(
 
     Every answer is compared with the full-cache answer (ROUGE-L F1 = fidelity). ``on_run``
     is called with a short label before each generation (for progress display); ``options``
-    are HybridKV's parameters (window, theta, ...).
+    are HybridKV's parameters (window, theta, ...; None: the method's default).
     """
-    def run(label: str, method: str, **kw) -> dict:
+    def run(label: str, policy) -> dict:
         if on_run:
             on_run(label)
-        return session.run(prepared, make_policy(method, **options, **kw))
+        return session.run(prepared, policy)
 
-    reference = run("full", "full")
+    reference = run("full", make_policy("full"))
     sweep = []
     for b in sorted({*budgets, budget}):
-        result = run(f"hybridkv b={b:g}", "hybridkv", budget=b)
+        result = run(f"hybridkv b={b:g}", make_policy("hybridkv", budget=b, **options))
         if b == budget:
             main = result
         sweep.append({

@@ -1,6 +1,6 @@
 """The result record of one answer: the JSON schema of README ("JSON output").
 
-This is the one place the application reads a policy's head report (``policy.summary()``).
+This is the one place the application reads a policy's head report (``PolicyCache.summary()``).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, q
              "h2d_bytes_per_step_mean": run.cache.transferred_bytes() / steps if steps else 0.0}
             if run.cache.host_bytes() else None
         ),
-        "heads": policy.summary(),
+        "heads": run.cache.summary(),
         "model": loaded.name,
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),

@@ -48,29 +48,6 @@ class AskOptions:
     defer_question: bool = False  # compress before the question is read (generation.generate)
 
 
-class Policies:
-    """The policies of a run, one per generation (a policy keeps per-generation state).
-
-    :meth:`first` builds the first one early, which validates the method and its options before
-    any input is read; :meth:`take` hands it out, then fresh ones.
-    """
-
-    def __init__(self, method: str, options: dict):
-        self.method, self.options = method, options
-        self._next: Policy | None = None
-
-    def first(self) -> Policy:
-        """The next policy to hand out, built now (raises UsageError for bad options)."""
-        if self._next is None:
-            self._next = make_policy(self.method, **self.options)
-        return self._next
-
-    def take(self) -> Policy:
-        """A policy for one generation; never the same one twice."""
-        policy, self._next = self.first(), None
-        return policy
-
-
 @dataclass
 class Prepared:
     """One input made ready: its media (None: a text prompt), the built prompt, the question,
@@ -100,7 +77,9 @@ class Session:
         self.options = options
         self.loaded = loaded
         self.stage = stage or (lambda message: nullcontext())
-        self.policies = Policies(options.method, options.method_options)
+        # Built now, so a bad method or option is refused before any input is read; a policy
+        # is configuration only and serves every generation of the session.
+        self.policy = make_policy(options.method, **options.method_options)
 
     # --- the steps ---------------------------------------------------------------------------
     def model(self) -> LoadedModel:
@@ -162,10 +141,9 @@ class Session:
         :class:`HybridKVError` for a bad input."""
         if item.error is not None:
             raise item.error
-        policy = self.policies.take()
         media = self.load_media(item.paths) if item.paths else None
         prepared = self.prepare(media, question, context=context, source=item.key if item.paths else None)
-        return self.run(prepared, policy)
+        return self.run(prepared, self.policy)
 
     @staticmethod
     def _guarded(source: str, step, *args, **kwargs):

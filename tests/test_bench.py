@@ -198,6 +198,9 @@ def test_bad_task_file_is_one_line_exit_2(tmp_path, capsys, lines, reason):
     (["{image}", "q", "--budgets", "0.1,2"], "error: --budgets: budget must be in (0, 1], got 2"),
     (["{image}", "q", "--tasks", "t.jsonl"], "error: --tasks: give either --tasks FILE or MEDIA... QUESTION"),
     (["q"], "error: arguments: give one or more media files"),
+    (["{image}", "q", "--methods", "snapkv,lookm", "--theta", "0.5"],
+     "error: --theta: does not apply to any of the methods snapkv, lookm"),
+    (["{image}", "q", "--methods", "rcr", "--refresh", "often"], "error: --refresh: refresh must be one of"),
 ])
 def test_usage_errors(capsys, argv, message):
     argv = [a.format(image=IMAGES / "red_circle.png") for a in argv]

@@ -42,7 +42,7 @@ def layer(n: int, heads=3, group=3, dim=64, seed=0) -> PrefillLayer:
 @pytest.mark.parametrize("name,options", VARIANTS, ids=lambda v: str(v))
 def test_prompt_kv_within_budget(name, options, budget, n):
     prefill = layer(n)
-    kv = make_policy(name, budget=budget, **options).compress(prefill)
+    kv = make_policy(name, budget=budget, **options).compress(prefill).kv
     full = prefill.keys.nbytes + prefill.values.nbytes
     assert kv.device_bytes() <= (budget + TOLERANCE) * full, kv.device_bytes() / full
 
@@ -51,7 +51,7 @@ def test_prompt_kv_within_budget(name, options, budget, n):
 def test_decoding_stays_within_budget_plus_generated_block(name, options):
     """Decode steps (retrieval, refresh) never grow the prompt part of the device KV."""
     prefill = layer(600)
-    kv = make_policy(name, budget=0.1, **options).compress(prefill)
+    kv = make_policy(name, budget=0.1, **options).compress(prefill).kv
     after_prefill = kv.device_bytes()
     g = torch.Generator().manual_seed(1)
     for _ in range(5):

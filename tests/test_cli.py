@@ -102,7 +102,7 @@ def clip(tmp_path_factory):
 
 
 @pytest.mark.parametrize("argv,reason", [
-    (["{clip}", "q", "--budget", "0"], "error: --budget: budget must be in (0, 1], got 0.0"),
+    (["{clip}", "q", "--budget", "0"], "error: --budget: budget must be in (0, 1], got 0"),
     (["{clip}", "q", "--budget", "1.5"], "error: --budget: budget must be in (0, 1], got 1.5"),
     (["{clip}", "q", "--method", "nope"], "error: --method: unknown method 'nope' (available: "),
     (["{clip}", ""], "error: QUESTION: the question is empty"),
@@ -114,6 +114,11 @@ def clip(tmp_path_factory):
     (["{clip}", "q", "--nope"], "error: No such option: --nope"),
     (["{clip}", "q", "--frames", "0"], "error: frames must be positive"),
     (["{clip}", "q", "--sinks", "2"], "error: --sinks: does not apply to method 'hybridkv'"),
+    (["{clip}", "q", "--method", "streamingllm", "--window", "8"],
+     "error: --window: does not apply to method 'streamingllm'"),
+    (["{clip}", "q", "--method", "lookm", "--theta", "0.5"], "error: --theta: does not apply to method 'lookm'"),
+    (["{clip}", "q", "--method", "full", "--budget", "0.1"],
+     "error: --budget: full keeps the whole cache: its budget is 1, got 0.1"),
     (["{clip}", "q", "--method", "snapkv", "--refresh", "rcr"], "error: --refresh: does not apply to method 'snapkv'"),
     (["{clip}", "q", "--landmark", "nope"],
      "error: --landmark: landmark must be one of mean, minmax, detector, got 'nope'"),

@@ -57,7 +57,7 @@ def test_hybridkv_at_budget_one_reproduces_full(demo, prompts, kind):
     policy = make_policy("hybridkv", budget=1.0)
     run = generate(demo.model, prompt, policy, max_new_tokens=NEW_TOKENS)
     assert run.tokens == full
-    summary = policy.summary()
+    summary = run.cache.summary()
     # The demo model has both kinds of heads, so both paths were exercised.
     assert summary["static"] > 0 and summary["dynamic"] > 0
 

@@ -22,8 +22,8 @@ demo = build_demo()
 media = load_media(["sample_media/images/red_circle.png", "sample_media/images/blue_square.jpg"], max_pixels=56 * 56)
 prompt = build_prompt(demo.processor, media, "Which image shows a square?")
 out = {"backend": resolve_backend("auto", torch.zeros(1))}
-for method, budget in (("full", 1.0), ("hybridkv", 0.3)):
-    out[method] = generate(demo.model, prompt, make_policy(method, budget=budget, window=8), max_new_tokens=5).tokens
+for method, options in (("full", {}), ("hybridkv", {"budget": 0.3, "window": 8})):
+    out[method] = generate(demo.model, prompt, make_policy(method, **options), max_new_tokens=5).tokens
 print(json.dumps(out))
 """
 

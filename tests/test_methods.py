@@ -38,6 +38,13 @@ from hybridkv_cli.loaded import LoadedModel
 from hybridkv_cli.prompt import build_prompt, build_text_prompt
 
 NAMES = sorted(METHODS)
+
+
+def low(name: str) -> float | None:
+    """The low test budget, or None for ``full`` (which takes only budget 1)."""
+    return None if name == "full" else LOW
+
+
 KINDS = ["images", "video", "llama", "qwen2"]
 TEXT_KINDS = {"llama", "qwen2"}
 QUESTION = "What happens?"
@@ -165,11 +172,20 @@ def test_question_after_compression_at_budget_one_reproduces_full(models, prompt
     assert 0 < question_length(prompt) < 40
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_one_policy_serves_many_generations(models, prompts, name):
+    """A policy is configuration: reusing it gives every generation the same tokens and report."""
+    policy = make_policy(name, budget=low(name))
+    runs = [generate(models["llama"].model, prompts["llama"], policy, max_new_tokens=NEW_TOKENS) for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens
+    assert json.dumps(runs[0].cache.summary()) == json.dumps(runs[1].cache.summary())
+
+
 @pytest.mark.parametrize("kind", ["video", "llama"])
 @pytest.mark.parametrize("name", NAMES)
 def test_low_budget_device_bytes(models, prompts, reference, name, kind):
     prompt, loaded = prompts[kind], models[kind]
-    policy = make_policy(name, budget=LOW)
+    policy = make_policy(name, budget=low(name))
     run = generate(loaded.model, prompt, policy, max_new_tokens=NEW_TOKENS)
     full = reference[kind].device_bytes_after_prefill
     if name not in FULL_BY_DESIGN:
@@ -185,17 +201,17 @@ def test_low_budget_device_bytes(models, prompts, reference, name, kind):
     layers = [layer.kv for layer in run.cache.layers]
     assert all(kv.steps == len(run.tokens) - 1 for kv in layers)
     assert all(0 < kv.max_read <= round(LOW * n) for kv in layers)
-    assert policy.summary()["read_entries_per_head"] == [kv.max_read for kv in layers]
+    assert run.cache.summary()["read_entries_per_head"] == [kv.max_read for kv in layers]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", NAMES)
 def test_ask_reports_json(models, media, name, kind):
     if kind in TEXT_KINDS:
-        result = ask(models[kind], None, QUESTION, context=CONTEXT, method=name, budget=LOW, max_new_tokens=4)
+        result = ask(models[kind], None, QUESTION, context=CONTEXT, method=name, budget=low(name), max_new_tokens=4)
         assert result["input"]["kind"] == "text" and result["input"]["context_tokens"] > 500
     else:
-        result = ask(models[kind], media[kind], QUESTION, method=name, budget=LOW, max_new_tokens=4)
+        result = ask(models[kind], media[kind], QUESTION, method=name, budget=low(name), max_new_tokens=4)
     assert isinstance(result["answer"], str)
     assert result["method"] == name and result["decode"]["tokens"] >= 1
     json.dumps(result, allow_nan=False)  # heads / summary included
@@ -265,7 +281,7 @@ def test_snap_keep_window_then_scores_within_allowed():
 def test_snapkv_keeps_window_plus_top_pooled_scores():
     layer = make_layer(n=80)
     layer.keys[:, 20] = layer.query[:, :, -8:].mean(dim=(1, 2)) * 8  # what the window attends to
-    store = SnapKV(budget=0.5, window=8).compress(layer)
+    store = SnapKV(budget=0.5, window=8).compress(layer).kv
     assert store.lengths.tolist() == [40, 40]
     for rows in kept_rows(store, layer):
         assert set(range(72, 80)) <= set(rows) and 20 in rows
@@ -273,10 +289,10 @@ def test_snapkv_keeps_window_plus_top_pooled_scores():
 
 def test_streamingllm_keeps_exactly_sinks_and_recent():
     layer = make_layer(n=50)
-    store = StreamingLLM(budget=0.2).compress(layer)
+    store = StreamingLLM(budget=0.2).compress(layer).kv
     assert kept_rows(store, layer) == [[0, 1, 2, 3, 44, 45, 46, 47, 48, 49]] * 2
     assert torch.equal(store.values[:4], layer.values[0, :4])
-    tiny = StreamingLLM(budget=0.05, sinks=4).compress(layer)  # 2 entries: both sinks
+    tiny = StreamingLLM(budget=0.05, sinks=4).compress(layer).kv  # 2 entries: both sinks
     assert kept_rows(tiny, layer) == [[0, 1]] * 2
 
 
@@ -318,7 +334,7 @@ def test_lookm_keeps_recent_half_then_text_before_visual():
         kept = keep[h].nonzero().flatten().tolist()
         assert kept[:4] == [0, 1, 2, 3] and kept[-6:] == list(range(54, 60))
         assert all(layer.visual[p] for p in kept[4:6])
-    store = policy.compress(layer)
+    store = policy.compress(layer).kv
     assert store.lengths.tolist() == [12, 12]
     assert not torch.equal(store.keys[:12], layer.keys[0, keep[0]])  # evicted entries were merged in
 
@@ -333,11 +349,10 @@ def test_sparsemm_reads_score_file_and_reports_on_the_fly(tmp_path):
     path = tmp_path / "scores.json"
     path.write_text(json.dumps({"scores": [[0.0, 9.0]]}))
     layer = make_layer(n=100)
-    store = SparseMM(budget=0.2, head_scores=str(path)).compress(layer)
+    store = SparseMM(budget=0.2, head_scores=str(path)).compress(layer).kv
     assert store.lengths.tolist() == [2, 38]
     on_the_fly = SparseMM(budget=0.2)
-    on_the_fly.compress(layer)
-    summary = on_the_fly.summary()
+    summary = on_the_fly.summary([on_the_fly.compress(layer).report])
     assert "on the fly" in summary["head_scores"]
     visual_mass = summary["per_layer"]["scores"][0]
     assert len(visual_mass) == 2 and all(0 < s < 1 for s in visual_mass)
@@ -392,21 +407,22 @@ def test_madakv_splits_by_preference_and_carries_unused_budget():
     assert last.carry_out == 0 and int(last.text.sum() + last.visual.sum()) == 40
 
 
-def test_madakv_policy_carries_between_layers_and_resets():
+def test_madakv_policy_carries_between_layers_of_one_generation():
     policy = MadaKV(budget=0.1, window=8)
     visual = torch.zeros(200, dtype=torch.bool)
     visual[3:190] = True  # 13 text tokens, the last 10 in the window
     sizes = []
-    for _ in range(2):  # reused for a second generation: same result
-        stores = []
+    for _ in range(2):  # reused for a second generation (a fresh ``run``): same result
+        run, layers = {}, []
         for i in range(3):
             layer = make_layer(n=200, visual=visual, index=i, seed=i, num_layers=3)
+            layer.run = run
             shared = torch.nn.functional.normalize(torch.ones(16), dim=0) * 6  # text-preferring heads:
             layer.query[:, :, -8:] += shared  # the window queries and the text keys share a direction
             layer.keys[:, ~visual] += shared
-            stores.append(policy.compress(layer))
-        sizes.append([int(s.lengths.sum()) for s in stores])
-        summary = policy.summary()
+            layers.append(policy.compress(layer))
+        sizes.append([int(c.kv.lengths.sum()) for c in layers])
+        summary = policy.summary([c.report for c in layers])
     assert sizes[0] == sizes[1]
     carry_in = summary["per_layer"]["carry_in"]
     assert carry_in[0] == 0 and carry_in[1] > 0
@@ -429,11 +445,11 @@ def test_quest_page_bound_is_the_direct_formula_and_an_upper_bound():
 
 def test_quest_reads_top_pages_and_the_last_page():
     layer = make_layer(n=83, heads=1, group=2)  # 10 selectable pages + a last page of 3
-    kv = Quest(budget=0.3).compress(layer)  # round(24.9) = 25 entries: 2 pages + the last 3
+    kv = Quest(budget=0.3).compress(layer).kv  # round(24.9) = 25 entries: 2 pages + the last 3
     assert kv.pages == 2 and kv.read_entries == 19
     q = torch.randn(1, 2, 16, generator=torch.Generator().manual_seed(1))
     layer.keys[0, 42] = q[0, 0] * 10  # page 5 holds the best key
-    kv = Quest(budget=0.3).compress(layer)
+    kv = Quest(budget=0.3).compress(layer).kv
     chosen = page_bounds(q, kv.kmin, kv.kmax).topk(2).indices.sort().values[0].tolist()
     assert 5 in chosen
     rows = [p * 8 + i for p in chosen for i in range(8)] + [80, 81, 82]

@@ -49,7 +49,7 @@ def slot_positions(kv) -> list[set[int]]:
 
 def test_refresh_every_step_with_all_candidates_keeps_the_exact_top_tokens():
     prefill = layer()
-    kv = make_policy("rcr", budget=0.25, refresh="periodic", refresh_period=1).compress(prefill)
+    kv = make_policy("rcr", budget=0.25, refresh="periodic", refresh_period=1).compress(prefill).kv
     r = kv.refresher
     r.options = RefreshOptions(kind="periodic", period=1, candidates=1000)  # every token a candidate
     q = torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(5))
@@ -66,7 +66,7 @@ def test_refresh_every_step_with_all_candidates_keeps_the_exact_top_tokens():
 
 def test_periodic_refresh_fires_on_the_first_step_and_every_t_th():
     prefill = layer()
-    kv = make_policy("rcr", budget=0.25, refresh="periodic", refresh_period=3).compress(prefill)
+    kv = make_policy("rcr", budget=0.25, refresh="periodic", refresh_period=3).compress(prefill).kv
     g = torch.Generator().manual_seed(2)
     for _ in range(7):
         kv.attend(torch.randn(2, 2, 32, generator=g), prefill.scale)
@@ -76,7 +76,7 @@ def test_periodic_refresh_fires_on_the_first_step_and_every_t_th():
 
 def test_untriggered_steps_move_nothing():
     prefill = layer()
-    kv = make_policy("rcr", budget=0.25, refresh="periodic", refresh_period=100).compress(prefill)
+    kv = make_policy("rcr", budget=0.25, refresh="periodic", refresh_period=100).compress(prefill).kv
     g = torch.Generator().manual_seed(3)
     kv.attend(torch.randn(2, 2, 32, generator=g), prefill.scale)  # step 1 fires
     moved = kv.transferred_bytes()
@@ -98,7 +98,7 @@ def test_branch_free_refresh_gives_the_tokens_of_the_branching_one(llama, monkey
     def run():
         policy = make_policy(method, budget=0.1, **options)
         out = generate(llama.model, prompt, policy, max_new_tokens=12)
-        return out.tokens, policy.summary()["refresh"]
+        return out.tokens, out.cache.summary()["refresh"]
 
     tokens, summary = run()
     assert 0 < summary["refreshes"] < summary["layer_steps"]  # some layer-steps fired, not all

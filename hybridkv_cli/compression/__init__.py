@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridkv_cli.compression.base import LayerKV, Policy, PrefillLayer
+from hybridkv_cli.compression.base import Compressed, LayerKV, Policy, PrefillLayer
 from hybridkv_cli.errors import UsageError
 
 METHODS: dict[str, type[Policy]] = {}
@@ -20,15 +20,16 @@ def register(name: str):
 
 
 def make_policy(name: str, **options) -> Policy:
-    """Instantiate a registered method; options it does not take (or left as None) are ignored."""
+    """Instantiate a registered method from its options; an option left as None takes the
+    method's default, one the method does not take is refused (a usage error naming its flag)."""
     if name not in METHODS:
         raise UsageError(f"unknown method '{name}' (available: {', '.join(sorted(METHODS))})", "--method")
-    budget = options.get("budget")
-    if budget is not None and not 0 < budget <= 1:
-        raise UsageError(f"budget must be in (0, 1], got {budget}", "--budget")
     cls = METHODS[name]
-    accepted = set(cls.options())
-    return cls(**{k: v for k, v in options.items() if k in accepted and v is not None})
+    given = {k: v for k, v in options.items() if v is not None}
+    refused = sorted(given.keys() - set(cls.options()))
+    if refused:
+        raise UsageError(f"does not apply to method '{name}'", "--" + refused[0].replace("_", "-"))
+    return cls(**given)
 
 
 # Importing the method modules registers them.
@@ -36,4 +37,4 @@ from hybridkv_cli.compression import (  # noqa: E402,F401
     full, hybridkv, lookm, madakv, quest, rcr, snapkv, sparsemm, streamingllm,
 )
 
-__all__ = ["METHODS", "LayerKV", "Policy", "PrefillLayer", "make_policy", "register"]
+__all__ = ["METHODS", "Compressed", "LayerKV", "Policy", "PrefillLayer", "make_policy", "register"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -57,42 +57,76 @@ class PrefillLayer:
         return self.query[:, :, -window:]
 
 
-class LayerKV(Protocol):
-    """A compressed layer as decoding uses it."""
+class LayerKV:
+    """A compressed layer as decoding uses it.
 
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor: ...
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> None: ...
-    def device_bytes(self) -> int: ...
-    def host_bytes(self) -> int: ...
-    def transferred_bytes(self) -> int: ...
+    Every method keeps something on the device; host state and host->device traffic are what
+    only offloading methods have, so they default to none.
+    """
+
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def device_bytes(self) -> int:
+        raise NotImplementedError
+
+    def host_bytes(self) -> int:
+        return 0
+
+    def transferred_bytes(self) -> int:
+        return 0
+
+
+class Compressed(NamedTuple):
+    """What :meth:`Policy.compress` returns for one layer: the layer as decoding reads it, and
+    the method's report of that layer (read by :meth:`Policy.summary` once the run is over;
+    it may hold device counters that decoding updates)."""
+
+    kv: LayerKV
+    report: Any = None
 
 
 @dataclass
 class Policy:
     """Base of every method: how a layer's prompt KV becomes what decoding reads.
 
+    A policy is configuration only: one instance serves any number of generations, and all that
+    a generation changes lives in what :meth:`compress` returns (or, for what the layers of one
+    generation share, in :attr:`PrefillLayer.run`).
+
     Parameters
     ----------
     budget : float
         Device-resident prompt KV per layer as a share of the full cache, in (0, 1].
-    window : int
-        Observation window: the last ``window`` prompt positions (question + template tail).
     """
 
     name: ClassVar[str] = ""
-    budget: float = 1.0
-    window: int = 32
+    budget: float = 0.1
 
-    def compress(self, layer: PrefillLayer) -> LayerKV:
+    def __post_init__(self):
+        check_budget(self.budget)
+
+    def compress(self, layer: PrefillLayer) -> Compressed:
         raise NotImplementedError
 
-    def summary(self) -> dict | None:
-        """Head-level report (classes, budgets), or None for methods without one."""
+    def summary(self, reports: list) -> dict | None:
+        """Head-level report (classes, budgets) of one generation from its layers' reports, in
+        layer order; None for methods without one."""
         return None
 
     @classmethod
     def options(cls) -> list[str]:
+        """The parameters ``make_policy`` accepts for this method."""
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def check_budget(budget: float, flag: str = "--budget") -> None:
+    """The one check of a budget's range."""
+    if not 0 < budget <= 1:
+        raise UsageError(f"budget must be in (0, 1], got {budget:g}", flag)
 
 
 def check_choice(option: str, value: str, choices) -> None:

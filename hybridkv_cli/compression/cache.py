@@ -83,6 +83,7 @@ class PolicyCache(Cache):
         self.policy = policy
         self.visual = visual
         self.run: dict = {}  # what the policy shares between the layers of this generation
+        self.reports: dict[int, object] = {}  # the policy's report of each compressed layer
         self.prefill_peak_bytes = 0
         self.compress_seconds = 0.0  # classification, allocation, pruning, offload: all of compress()
         self.attention_seconds = 0.0  # decode attention incl. retrieval (host clock: exact on CPU only)
@@ -102,7 +103,7 @@ class PolicyCache(Cache):
             scale=scale,
             run=self.run,
         )
-        self.layers[index].kv = self.policy.compress(prefill)
+        self.layers[index].kv, self.reports[index] = self.policy.compress(prefill)
         # Peak while prefilling: this layer's full KV beside the layers compressed before it.
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, full_bytes + self.device_bytes())
         self.compress_seconds += time.perf_counter() - start
@@ -113,6 +114,10 @@ class PolicyCache(Cache):
         if kwargs is not None:
             kwargs[CACHE_KWARG] = self
         return super().update(key_states, value_states, layer_idx, *args, kwargs=kwargs, **rest)
+
+    def summary(self) -> dict | None:
+        """The policy's head report of this generation (read once, at the end)."""
+        return self.policy.summary([self.reports[i] for i in sorted(self.reports)])
 
     def _compressed(self) -> list[LayerKV]:
         return [layer.kv for layer in self.layers if layer.kv is not None]

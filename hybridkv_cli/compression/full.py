@@ -7,18 +7,22 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv_cli.compression import register
-from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.store import RaggedStore
+from hybridkv_cli.errors import UsageError
 
 
 @register("full")
 @dataclass
 class Full(Policy):
-    """Every head keeps every prompt entry; ``budget`` is ignored (always 1.0)."""
+    """Every head keeps every prompt entry (budget 1)."""
+
+    budget: float = 1.0
 
     def __post_init__(self):
-        self.budget = 1.0
+        if self.budget != 1:
+            raise UsageError(f"full keeps the whole cache: its budget is 1, got {self.budget:g}", "--budget")
 
-    def compress(self, layer: PrefillLayer) -> RaggedStore:
+    def compress(self, layer: PrefillLayer) -> Compressed:
         keep = torch.ones(layer.num_heads, layer.length, dtype=torch.bool, device=layer.keys.device)
-        return RaggedStore.build(layer.keys, layer.values, keep)
+        return Compressed(RaggedStore.build(layer.keys, layer.values, keep))

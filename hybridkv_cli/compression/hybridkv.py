@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.allocate import LayerPlan, plan_layer
-from hybridkv_cli.compression.base import Policy, PrefillLayer, check_choice
+from hybridkv_cli.compression.base import Compressed, LayerKV, Policy, PrefillLayer, check_choice
 from hybridkv_cli.compression.budget import budget_entries, fit_window
 from hybridkv_cli.compression.classify import classify_static
 from hybridkv_cli.compression.landmarks import LANDMARKS
@@ -23,7 +23,7 @@ from hybridkv_kernels import window_scores
 
 
 @dataclass
-class HybridLayerKV:
+class HybridLayerKV(LayerKV):
     """A layer's ragged store plus the retrieval state of its dynamic heads and the refresh
     state of its static heads (each None when the layer has none)."""
 
@@ -100,7 +100,7 @@ class HybridKV(Policy):
         T (``periodic``).
     """
 
-    budget: float = 0.1
+    window: int = 32
     theta: float = 0.9
     sparsity_topk: float = 0.05
     sink_aware: bool = True
@@ -111,9 +111,9 @@ class HybridKV(Policy):
     refresh: str = "rcr"
     refresh_rate: float = 0.4
     refresh_period: int = 3
-    records: dict[int, LayerRecord] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        super().__post_init__()
         check_choice("landmark", self.landmark, LANDMARKS)
         check_choice("refresh", self.refresh, REFRESH_KINDS)
 
@@ -143,7 +143,7 @@ class HybridKV(Policy):
                           chunk=self.chunk_size, alpha=self.alpha, adaptive=not refreshed)
         return plan, window
 
-    def compress(self, layer: PrefillLayer) -> HybridLayerKV:
+    def compress(self, layer: PrefillLayer) -> Compressed:
         n = layer.length
         attn, pooled = window_scores(layer.window_query(min(self.window, n)), layer.keys, scale=layer.scale)
         static, sparsity = classify_static(attn, self.theta, self.sparsity_topk, self.sink_aware)
@@ -181,11 +181,10 @@ class HybridKV(Policy):
             options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period)
             controller = RateController.shared(layer.run, options, layer.keys.device)
             refresher = Refresher.offload(layer.keys, layer.values, heads, store, selection, options, controller)
-        self.records[layer.index] = LayerRecord(sparsity.tolist(), plan, n, window, refresher, fallback)
-        return HybridLayerKV(store, retrieval, refresher)
+        record = LayerRecord(sparsity.tolist(), plan, n, window, refresher, fallback)
+        return Compressed(HybridLayerKV(store, retrieval, refresher), record)
 
-    def summary(self) -> dict:
-        layers = [self.records[i] for i in sorted(self.records)]
+    def summary(self, layers: list[LayerRecord]) -> dict:
         static = [int(r.plan.static.sum()) for r in layers]
         dynamic = [len(r.sparsity) - s for r, s in zip(layers, static)]
         total = sum(static) + sum(dynamic)

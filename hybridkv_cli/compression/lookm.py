@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv_cli.compression import register
-from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.scoring import uniform_counts
 from hybridkv_cli.compression.selection import keep_top_tiered
 from hybridkv_cli.compression.store import RaggedStore
@@ -106,10 +106,8 @@ class LookM(Policy):
     the GQA group). Each head keeps ``round(b·N)`` entries: the most recent ``round(b·N) // 2``
     positions, then heavy hitters for the other half, every text token before any visual token
     (by score within each modality). Every evicted entry is then merged (averaged) into its most
-    cosine-similar kept key ("pivot merge"), values alongside. ``window`` is not used.
+    cosine-similar kept key ("pivot merge"), values alongside.
     """
-
-    budget: float = 0.1
 
     def keep(self, layer: PrefillLayer) -> torch.Tensor:
         """Entries each head keeps before merging, BoolTensor [H_kv, N]."""
@@ -120,6 +118,6 @@ class LookM(Policy):
         tier[layer.length - recent:] = 2.0  # the recent half first
         return keep_top_tiered(score, tier, counts)
 
-    def compress(self, layer: PrefillLayer) -> RaggedStore:
+    def compress(self, layer: PrefillLayer) -> Compressed:
         keys, values = pivot_merge(layer.keys, layer.values, self.keep(layer))
-        return RaggedStore.build(keys, values, torch.ones(keys.shape[:2], dtype=torch.bool, device=keys.device))
+        return Compressed(RaggedStore.build(keys, values, torch.ones(keys.shape[:2], dtype=torch.bool, device=keys.device)))

@@ -22,12 +22,12 @@ own share (that is the compensation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hybridkv_cli.compression import register
-from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.scoring import proportional_split, snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
 
@@ -88,25 +88,21 @@ class MadaKV(Policy):
     use is carried to the next layer. See the module docstring for the exact rules.
     """
 
-    budget: float = 0.1
-    plans: dict[int, ModalityPlan] = field(default_factory=dict, repr=False)
+    window: int = 32
 
-    def compress(self, layer: PrefillLayer) -> RaggedStore:
-        if layer.index == 0:
-            self.plans = {}
-        carry = self.plans[layer.index - 1].carry_out if layer.index - 1 in self.plans else 0
+    def compress(self, layer: PrefillLayer) -> Compressed:
+        carry = layer.run.get("madakv_carry", 0)  # what the previous layer of this generation left
         attn, pooled, window = window_attention(layer, self.window)
         visual = layer.visual
         text_share = attn[:, ~visual].sum(dim=1)
         budget = round(self.budget * layer.length * layer.num_heads)
         plan = plan_modalities(text_share, visual, budget, carry, last=layer.index == layer.num_layers - 1)
-        self.plans[layer.index] = plan
+        layer.run["madakv_carry"] = plan.carry_out
         keep = snap_keep(pooled, window, plan.text, allowed=~visual)
         keep |= snap_keep(pooled, window, plan.visual, allowed=visual)
-        return RaggedStore.build(layer.keys, layer.values, keep)
+        return Compressed(RaggedStore.build(layer.keys, layer.values, keep), plan)
 
-    def summary(self) -> dict:
-        plans = [self.plans[i] for i in sorted(self.plans)]
+    def summary(self, plans: list[ModalityPlan]) -> dict:
         return {
             "reconstruction": "MadaKV rebuilt from its abstract (no public code)",
             "per_layer": {

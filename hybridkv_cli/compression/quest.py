@@ -10,12 +10,12 @@ metadata.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hybridkv_cli.compression import register
-from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.base import Compressed, LayerKV, Policy, PrefillLayer
 from hybridkv_cli.compression.landmarks import page_bounds
 from hybridkv_cli.compression.scoring import head_entries
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes
@@ -23,7 +23,7 @@ from hybridkv_kernels import ragged_decode_attention
 
 
 @dataclass
-class QuestLayerKV:
+class QuestLayerKV(LayerKV):
     """A layer's full prompt KV (ragged store, every entry) plus page metadata.
 
     Attributes
@@ -80,12 +80,6 @@ class QuestLayerKV:
     def device_bytes(self) -> int:
         return self.store.device_bytes() + tensor_bytes(self.kmin, self.kmax)
 
-    def host_bytes(self) -> int:
-        return 0
-
-    def transferred_bytes(self) -> int:
-        return 0
-
 
 @register("quest")
 @dataclass
@@ -98,16 +92,12 @@ class Quest(Policy):
         Tokens per page (8 here, as HybridKV's chunks).
 
     Each head reads ``round(b·N)`` prompt entries per step at most, or the last page if that is
-    longer; memory is not reduced. ``window`` is not used.
+    longer; memory is not reduced.
     """
 
-    budget: float = 0.1
     page_size: int = 8
-    records: dict[int, tuple[int, int, int]] = field(default_factory=dict, repr=False)  # (N, pages, read)
 
-    def compress(self, layer: PrefillLayer) -> QuestLayerKV:
-        if layer.index == 0:
-            self.records = {}
+    def compress(self, layer: PrefillLayer) -> Compressed:
         n, page = layer.length, self.page_size
         selectable = (n - 1) // page  # every page but the last (possibly partial) one
         keys = layer.keys[:, : selectable * page].unflatten(1, (selectable, page))
@@ -118,15 +108,13 @@ class Quest(Policy):
             RaggedStore.build(layer.keys, layer.values, keep),
             keys.amin(dim=2), keys.amax(dim=2), pages, page, n,
         )
-        self.records[layer.index] = (n, pages, kv.read_entries)
-        return kv
+        return Compressed(kv, (n, pages, kv.read_entries))
 
-    def summary(self) -> dict:
-        records = [self.records[i] for i in sorted(self.records)]
+    def summary(self, reports: list[tuple[int, int, int]]) -> dict:
         return {
             "page_size": self.page_size,
-            "prompt_entries": records[0][0] if records else 0,
-            "pages_per_step": [pages for _, pages, _ in records],
-            "read_entries_per_head": [read for _, _, read in records],
+            "prompt_entries": reports[0][0] if reports else 0,
+            "pages_per_step": [pages for _, pages, _ in reports],
+            "read_entries_per_head": [read for _, _, read in reports],
             "device_keeps_full_kv": True,
         }

@@ -9,12 +9,12 @@ the budget, so the slots are fewer than SnapKV's entries at the same ``b``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hybridkv_cli.compression import register
-from hybridkv_cli.compression.base import Policy, PrefillLayer, check_choice
+from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer, check_choice
 from hybridkv_cli.compression.budget import budget_entries, fit_window
 from hybridkv_cli.compression.hybridkv import HybridLayerKV
 from hybridkv_cli.compression.refresh import (
@@ -39,16 +39,16 @@ class RCR(Policy):
         T for ``periodic``.
     """
 
-    budget: float = 0.1
+    window: int = 32
     refresh: str = "rcr"
     refresh_rate: float = 0.4
     refresh_period: int = 3
-    records: dict[int, tuple[int, int, Refresher | None]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        super().__post_init__()
         check_choice("refresh", self.refresh, REFRESH_KINDS)
 
-    def compress(self, layer: PrefillLayer) -> HybridLayerKV:
+    def compress(self, layer: PrefillLayer) -> Compressed:
         n, heads = layer.length, layer.num_heads
         _, pooled, _ = window_attention(layer, self.window)
         options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period)
@@ -62,8 +62,7 @@ class RCR(Policy):
         counts = torch.full((heads,), per_head, dtype=torch.long, device=layer.keys.device)
         if self.refresh == "none" or not 0 < slots < span:  # nothing to refresh: one-shot selection
             store = RaggedStore.build(layer.keys, layer.values, snap_keep(pooled, window, counts))
-            self.records[layer.index] = (window, per_head, None)
-            return HybridLayerKV(store, None)
+            return Compressed(HybridLayerKV(store, None), (window, per_head, None))
         keep = torch.zeros_like(pooled, dtype=torch.bool)
         keep[:, span:] = True
         store = RaggedStore.build(layer.keys, layer.values, keep, counts - window)
@@ -71,11 +70,9 @@ class RCR(Policy):
         controller = RateController.shared(layer.run, options, layer.keys.device)
         every = torch.arange(heads, device=layer.keys.device)
         refresher = Refresher.offload(layer.keys, layer.values, every, store, selection, options, controller)
-        self.records[layer.index] = (window, slots, refresher)
-        return HybridLayerKV(store, None, refresher)
+        return Compressed(HybridLayerKV(store, None, refresher), (window, slots, refresher))
 
-    def summary(self) -> dict:
-        records = [self.records[i] for i in sorted(self.records)]
+    def summary(self, records: list[tuple[int, int, Refresher | None]]) -> dict:
         return {
             "window": [w for w, _, _ in records],
             "slots_per_head": [s for _, s, _ in records],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridkv_cli.compression import register
-from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.scoring import snap_keep, uniform_counts, window_attention
 from hybridkv_cli.compression.store import RaggedStore
 
@@ -20,9 +20,9 @@ class SnapKV(Policy):
     then the ``round(b·N) - w`` best-scored other positions. Uniform budget per head.
     """
 
-    budget: float = 0.1
+    window: int = 32
 
-    def compress(self, layer: PrefillLayer) -> RaggedStore:
+    def compress(self, layer: PrefillLayer) -> Compressed:
         _, pooled, window = window_attention(layer, self.window)
         keep = snap_keep(pooled, window, uniform_counts(self.budget, layer))
-        return RaggedStore.build(layer.keys, layer.values, keep)
+        return Compressed(RaggedStore.build(layer.keys, layer.values, keep))

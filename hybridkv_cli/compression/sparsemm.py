@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hybridkv_cli.compression import register
-from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.scoring import proportional_split, snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
 from hybridkv_cli.errors import UsageError
@@ -92,12 +92,12 @@ class SparseMM(Policy):
         Every head's floor, as a share of the average head budget ``b·N``.
     """
 
-    budget: float = 0.1
+    window: int = 32
     head_scores: str | None = None
     min_share: float = 0.1
-    records: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        super().__post_init__()
         self._file_scores = load_head_scores(self.head_scores) if self.head_scores else None
 
     def _layer_scores(self, layer: PrefillLayer, attn: torch.Tensor) -> torch.Tensor:
@@ -116,17 +116,14 @@ class SparseMM(Policy):
             )
         return torch.tensor(row, dtype=torch.float64, device=attn.device)
 
-    def compress(self, layer: PrefillLayer) -> RaggedStore:
-        if layer.index == 0:
-            self.records = {}
+    def compress(self, layer: PrefillLayer) -> Compressed:
         attn, pooled, window = window_attention(layer, self.window)
         scores = self._layer_scores(layer, attn)
         counts = head_budgets(scores, self.budget, layer.length, self.min_share)
-        self.records[layer.index] = (scores.tolist(), counts.tolist())
-        return RaggedStore.build(layer.keys, layer.values, snap_keep(pooled, window, counts))
+        store = RaggedStore.build(layer.keys, layer.values, snap_keep(pooled, window, counts))
+        return Compressed(store, (scores.tolist(), counts.tolist()))
 
-    def summary(self) -> dict:
-        records = [self.records[i] for i in sorted(self.records)]
+    def summary(self, records: list[tuple[list[float], list[int]]]) -> dict:
         return {
             "head_scores": (
                 f"file {self.head_scores}" if self.head_scores

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridkv_cli.compression.base import LayerKV
 from hybridkv_kernels import ragged_decode_attention
 
 # Generated tokens are appended in blocks of this many rows: one reallocation per block, and at
@@ -31,7 +32,7 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class RaggedStore:
+class RaggedStore(LayerKV):
     """Device KV of one layer.
 
     Attributes
@@ -116,12 +117,6 @@ class RaggedStore:
 
     def device_bytes(self) -> int:
         return tensor_bytes(self.keys, self.values, self.offsets, self.lengths, self.gen_k, self.gen_v)
-
-    def host_bytes(self) -> int:
-        return 0
-
-    def transferred_bytes(self) -> int:
-        return 0
 
     def entries(self) -> int:
         """Prompt entries resident on the device (the quantity the budget bounds)."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hybridkv_cli.compression import register
-from hybridkv_cli.compression.base import Policy, PrefillLayer
+from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.scoring import head_entries
 from hybridkv_cli.compression.store import RaggedStore
 
@@ -23,14 +23,12 @@ class StreamingLLM(Policy):
         Attention-sink tokens kept at the start of the prompt (4 in the paper).
 
     Each head keeps ``round(b·N)`` entries: ``min(sinks, round(b·N))`` sinks, the rest the most
-    recent prompt positions. ``window`` is not used.
+    recent prompt positions.
     """
 
-    budget: float = 0.1
     sinks: int = 4
-    kept: tuple[int, int] = field(default=(0, 0), repr=False)  # (sinks, recent) per head, last layer
 
-    def compress(self, layer: PrefillLayer) -> RaggedStore:
+    def compress(self, layer: PrefillLayer) -> Compressed:
         n = layer.length
         entries = head_entries(self.budget, n)
         sinks = min(self.sinks, entries)
@@ -39,8 +37,8 @@ class StreamingLLM(Policy):
         keep[:, :sinks] = True
         if recent:
             keep[:, n - recent:] = True
-        self.kept = (sinks, recent)
-        return RaggedStore.build(layer.keys, layer.values, keep)
+        return Compressed(RaggedStore.build(layer.keys, layer.values, keep), (sinks, recent))
 
-    def summary(self) -> dict:
-        return {"sinks": self.sinks, "entries_per_head": {"sinks": self.kept[0], "recent": self.kept[1]}}
+    def summary(self, reports: list[tuple[int, int]]) -> dict:
+        sinks, recent = reports[-1] if reports else (0, 0)
+        return {"sinks": self.sinks, "entries_per_head": {"sinks": sinks, "recent": recent}}
