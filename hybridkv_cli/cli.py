@@ -49,6 +49,8 @@ REFRESH = typer.Option(None, help="hybridkv (static heads) / rcr: refresh while 
 REFRESH_RATE = typer.Option(None, min=0.0, max=1.0, help="rcr refresh: target share of layer-steps that "
                             "re-select [default: 0.4].")
 REFRESH_PERIOD = typer.Option(None, min=1, help="periodic refresh: every T-th decode step [default: 3].")
+REFRESH_SLOTS = typer.Option(None, min=1, help="refresh: most entries per head that a refresh re-selects (c); the "
+                             "rest keep the prefill's best [default: 256].")
 SINKS = typer.Option(None, min=0, help="streamingllm: attention-sink tokens kept at the start [default: 4].")
 PAGE_SIZE = typer.Option(None, min=1, help="quest: tokens per page [default: 8].")
 HEAD_SCORES = typer.Option(None, metavar="FILE", help='sparsemm: JSON {"scores": [[per KV head] per layer]} '
@@ -116,6 +118,7 @@ def ask(
     sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
     refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
+    refresh_slots: Optional[int] = REFRESH_SLOTS,
     sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
     head_scores: Optional[str] = HEAD_SCORES, frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
@@ -140,8 +143,8 @@ def ask(
         max_new_tokens=max_new_tokens, defer_question=defer_question,
         method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
                             chunk_size=chunk_size, sink_aware=sink_aware, landmark=landmark, refresh=refresh,
-                            refresh_rate=refresh_rate, refresh_period=refresh_period, sinks=sinks,
-                            page_size=page_size, head_scores=head_scores),
+                            refresh_rate=refresh_rate, refresh_period=refresh_period, refresh_slots=refresh_slots,
+                            sinks=sinks, page_size=page_size, head_scores=head_scores),
     )
     session = Session(options, stage=status(quiet))  # refuses a bad method or option before any input is read
     batch = each or "-" in paths or jsonl or output is not None
@@ -191,6 +194,7 @@ def profile(
     share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
     refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
+    refresh_slots: Optional[int] = REFRESH_SLOTS,
     budgets: str = typer.Option("0.05,0.1,0.2,0.4,1.0", help="Comma-separated budgets to sweep."),
     out: Optional[Path] = typer.Option(None, help="Directory for the heatmap PNG (and profile.json)."),
     frames: int = FRAMES, fps: Optional[float] = FPS, max_pixels: Optional[int] = MAX_PIXELS,
@@ -210,7 +214,7 @@ def profile(
     sweep = tuple(parse_budgets(budgets))
     options = dict(window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
                    sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
-                   refresh_period=refresh_period)
+                   refresh_period=refresh_period, refresh_slots=refresh_slots)
     make_policy("hybridkv", budget=budget, **options)  # refuses bad values before the model loads
     paths, question = _split_args(args, context)
     session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
@@ -259,6 +263,7 @@ def bench(
     sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
     refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
+    refresh_slots: Optional[int] = REFRESH_SLOTS,
     frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per run (greedy)."),
@@ -277,7 +282,7 @@ def bench(
     names, sweep = parse_methods(methods), parse_budgets(budgets)
     options = dict(window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
                    sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
-                   refresh_period=refresh_period)
+                   refresh_period=refresh_period, refresh_slots=refresh_slots)
     method_options(names, options)  # refuses what no method takes before anything loads
     if tasks is not None:
         if args or answer:

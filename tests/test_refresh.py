@@ -100,13 +100,37 @@ def test_branch_free_refresh_gives_the_tokens_of_the_branching_one(llama, monkey
         out = generate(llama.model, prompt, policy, max_new_tokens=12)
         return out.tokens, out.cache.summary()["refresh"]
 
-    tokens, summary = run()
-    assert 0 < summary["refreshes"] < summary["layer_steps"]  # some layer-steps fired, not all
     original = Refresher.refresh
 
-    def branching(self, *args):
-        self.branching = True
-        return original(self, *args)
+    def with_branching(flag):
+        def refresh(self, *args):
+            self.branching = flag
+            return original(self, *args)
+        return refresh
 
-    monkeypatch.setattr(Refresher, "refresh", branching)
+    monkeypatch.setattr(Refresher, "refresh", with_branching(False))  # the device path
+    tokens, summary = run()
+    assert 0 < summary["refreshes"] < summary["layer_steps"]  # some layer-steps fired, not all
+    monkeypatch.setattr(Refresher, "refresh", with_branching(True))  # the host branch (CPU default)
     assert run() == (tokens, summary)
+
+
+def test_only_the_moving_slots_are_re_selected_the_best_stay():
+    prefill = layer()
+    kv = make_policy("rcr", budget=0.25, refresh="periodic", refresh_period=1, refresh_slots=4).compress(prefill).kv
+    r = kv.refresher
+    assert r.resident.shape[1] == 4 and r.fixed.shape[1] > 0
+    r.options = RefreshOptions(kind="periodic", period=1, slots=4, candidates=1000)  # every token a candidate
+    fixed_rows = [kv.store.keys[int(r.slot_base[h]) + 4: int(r.slot_base[h]) + 4 + r.fixed.shape[1]].clone()
+                  for h in range(2)]
+    q = torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(6))
+    kv.attend(q, prefill.scale)
+    span = r.host_k.shape[1]
+    exact = torch.bmm(q, prefill.keys[:, :span].transpose(1, 2)).amax(dim=1)
+    exact.scatter_(1, r.fixed, float("-inf"))  # fixed positions are never candidates
+    want = exact.topk(4, dim=1).indices
+    assert slot_positions(kv) == [set(row.tolist()) for row in want]
+    for h in range(2):  # the fixed entries did not move
+        rows = kv.store.keys[int(r.slot_base[h]) + 4: int(r.slot_base[h]) + 4 + r.fixed.shape[1]]
+        assert torch.equal(rows, fixed_rows[h])
+        torch.testing.assert_close(rows, prefill.keys[h, r.fixed[h].sort().values])

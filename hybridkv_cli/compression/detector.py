@@ -28,8 +28,9 @@ class LowRankKeys:
     ----------
     basis : Tensor [H, d, R] fp32
         Top right singular vectors of each head's keys.
-    codes : int8 Tensor [H, P, R]
-        Projected keys, ``codes * scale ≈ K·basis``.
+    codes : int8 Tensor [H, R, P]
+        Projected keys, transposed (``codesᵀ * scale ≈ K·basis``): a query's product with them
+        is then a plain batched matmul.
     scale : Tensor [H, R] fp32
     """
 
@@ -46,7 +47,7 @@ class LowRankKeys:
         projected = torch.bmm(k, basis)  # [H, P, R]
         scale = projected.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         codes = torch.round(projected / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(basis, codes, scale)
+        return cls(basis, codes.transpose(1, 2).contiguous(), scale)
 
     @staticmethod
     def bytes_for(heads: int, tokens: int, dim: int, rank: int) -> int:
@@ -62,7 +63,7 @@ class LowRankKeys:
         query : Tensor [H, G, d]
         """
         q = torch.bmm(query.float(), self.basis) * self.scale[:, None]  # fold the scale into q
-        return torch.bmm(q, self.codes.float().transpose(1, 2))
+        return torch.bmm(q, self.codes.float())
 
     def device_bytes(self) -> int:
         return tensor_bytes(self.basis, self.codes, self.scale)

@@ -14,7 +14,7 @@ from hybridkv_cli.compression.budget import budget_entries, fit_window
 from hybridkv_cli.compression.classify import classify_static
 from hybridkv_cli.compression.landmarks import LANDMARKS
 from hybridkv_cli.compression.refresh import (
-    REFRESH_KINDS, RateController, Refresher, RefreshOptions, refresh_summary,
+    REFRESH_KINDS, RateController, Refresher, RefreshOptions, refresh_summary, split_slots,
 )
 from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_cli.compression.static_prune import text_prior_keep
@@ -98,6 +98,9 @@ class HybridKV(Policy):
         ρ, the share of layer-steps that refresh (``rcr``).
     refresh_period : int
         T (``periodic``).
+    refresh_slots : int
+        c: most slots of a refreshed head that move; the rest keep the best of the prefill
+        selection (bounds the cost of a refresh at long prompts).
     """
 
     window: int = 32
@@ -111,6 +114,7 @@ class HybridKV(Policy):
     refresh: str = "rcr"
     refresh_rate: float = 0.4
     refresh_period: int = 3
+    refresh_slots: int = 256
 
     def __post_init__(self):
         super().__post_init__()
@@ -159,11 +163,19 @@ class HybridKV(Policy):
         slots = torch.where(static, plan.entries - window, 0).clamp_min(0)
         refreshed = static & refresh_on & (slots > 0) & (slots < n - window)
         keep = torch.zeros_like(pooled, dtype=torch.bool)
-        fixed = static & ~refreshed
-        keep[fixed] = text_prior_keep(pooled[fixed], layer.visual, window, plan.entries[fixed])
+        once = static & ~refreshed
+        keep[once] = text_prior_keep(pooled[once], layer.visual, window, plan.entries[once])
         keep[dynamic, num_chunks * self.chunk_size:] = True  # the resident tail of dynamic heads
-        keep[refreshed, n - window:] = True  # the window of refreshed heads, after their slots
-        reserve = torch.where(dynamic, plan.chunks * self.chunk_size, 0) + torch.where(refreshed, slots, 0)
+        reserve = torch.where(dynamic, plan.chunks * self.chunk_size, 0)
+        if refreshed.any():  # text first, then the best-scored rest; the best stay, the others move
+            heads, span = refreshed.nonzero().flatten(), n - window
+            options = RefreshOptions.of(self)
+            first = text_prior_keep(pooled[heads, :span], layer.visual[:span], 0, slots[heads])
+            best_first = pooled[heads, :span].masked_fill(~first, float("-inf"))
+            fixed, moving = split_slots(best_first.topk(int(slots[heads[0]]), dim=1).indices, options)
+            keep[heads, span:] = True  # the window, after the slots and the fixed entries
+            keep[heads] = keep[heads].scatter(1, fixed, True)
+            reserve = reserve + torch.where(refreshed, moving.shape[1], 0)
         store = RaggedStore.build(layer.keys, layer.values, keep, reserve)
         retrieval = None
         if dynamic.any():
@@ -173,14 +185,8 @@ class HybridKV(Policy):
             )
         refresher = None
         if refreshed.any():
-            heads = refreshed.nonzero().flatten()
-            span = n - window
-            first = text_prior_keep(pooled[heads, :span], layer.visual[:span], 0, slots[heads])
-            best_first = pooled[heads, :span].masked_fill(~first, float("-inf"))
-            selection = best_first.topk(int(slots[heads[0]]), dim=1).indices
-            options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period)
             controller = RateController.shared(layer.run, options, layer.keys.device)
-            refresher = Refresher.offload(layer.keys, layer.values, heads, store, selection, options, controller)
+            refresher = Refresher.offload(layer.keys, layer.values, heads, store, fixed, moving, options, controller)
         record = LayerRecord(sparsity.tolist(), plan, n, window, refresher, fallback)
         return Compressed(HybridLayerKV(store, retrieval, refresher), record)
 

@@ -18,7 +18,7 @@ from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer, chec
 from hybridkv_cli.compression.budget import budget_entries, fit_window
 from hybridkv_cli.compression.hybridkv import HybridLayerKV
 from hybridkv_cli.compression.refresh import (
-    REFRESH_KINDS, RateController, Refresher, RefreshOptions, refresh_summary,
+    REFRESH_KINDS, RateController, Refresher, RefreshOptions, refresh_summary, split_slots,
 )
 from hybridkv_cli.compression.scoring import snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
@@ -37,12 +37,16 @@ class RCR(Policy):
         ρ, the share of layer-steps that refresh.
     refresh_period : int
         T for ``periodic``.
+    refresh_slots : int
+        c: most slots of a refreshed head that move; the rest keep the best of the prefill
+        selection (bounds the cost of a refresh at long prompts).
     """
 
     window: int = 32
     refresh: str = "rcr"
     refresh_rate: float = 0.4
     refresh_period: int = 3
+    refresh_slots: int = 256
 
     def __post_init__(self):
         super().__post_init__()
@@ -51,7 +55,7 @@ class RCR(Policy):
     def compress(self, layer: PrefillLayer) -> Compressed:
         n, heads = layer.length, layer.num_heads
         _, pooled, _ = window_attention(layer, self.window)
-        options = RefreshOptions(kind=self.refresh, rate=self.refresh_rate, period=self.refresh_period)
+        options = RefreshOptions.of(self)
         overhead = 0
         if self.refresh != "none" and self.budget < 1:
             overhead = Refresher.device_bytes_for(heads, math.ceil(self.budget * n), n, layer.keys.shape[-1],
@@ -63,13 +67,14 @@ class RCR(Policy):
         if self.refresh == "none" or not 0 < slots < span:  # nothing to refresh: one-shot selection
             store = RaggedStore.build(layer.keys, layer.values, snap_keep(pooled, window, counts))
             return Compressed(HybridLayerKV(store, None), (window, per_head, None))
+        fixed, moving = split_slots(pooled[:, :span].topk(slots, dim=1).indices, options)
         keep = torch.zeros_like(pooled, dtype=torch.bool)
         keep[:, span:] = True
-        store = RaggedStore.build(layer.keys, layer.values, keep, counts - window)
-        selection = pooled[:, :span].topk(slots, dim=1).indices
+        keep.scatter_(1, fixed, True)
+        store = RaggedStore.build(layer.keys, layer.values, keep, torch.full_like(counts, moving.shape[1]))
         controller = RateController.shared(layer.run, options, layer.keys.device)
         every = torch.arange(heads, device=layer.keys.device)
-        refresher = Refresher.offload(layer.keys, layer.values, every, store, selection, options, controller)
+        refresher = Refresher.offload(layer.keys, layer.values, every, store, fixed, moving, options, controller)
         return Compressed(HybridLayerKV(store, None, refresher), (window, slots, refresher))
 
     def summary(self, records: list[tuple[int, int, Refresher | None]]) -> dict:

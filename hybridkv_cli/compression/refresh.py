@@ -13,16 +13,23 @@ decode step:
    layer-step as ``τ ← τ·exp(η(f − ρ))`` (f = 1 if the step triggered): τ tracks a running
    quantile of drift, so a share ρ of layer-steps refresh, and drift decides which; or every
    ``T``-th step (``periodic``, the control).
-3. **Re-selection**: the detector's top ``4n`` tokens (exact logits for kept ones) are
-   candidates; their exact keys are read from the host, the top ``n`` by exact logit (max over
-   the query group) become the new selection, and only the values (and keys) of tokens not
-   already resident are copied into the slots.
+3. **Re-selection** of a head's ``c`` moving slots: the detector's top ``4c`` tokens (exact
+   logits for resident ones) are candidates; their exact keys are read from the host, the top
+   ``c`` by exact logit (max over the query group) become the new selection, and only the
+   values (and keys) of tokens not already resident are copied into the slots.
+
+A head's slots are split (:func:`split_slots`): at most ``c`` (``RefreshOptions.slots``, 256; the
+paper's c is 32-224) move, the rest hold the best of the prefill selection for good. So a refresh
+reads ``5c`` vectors whatever the budget: at a 16k-token prompt and b = 0.1 a head has ~1600
+slots, and re-selecting all of them would read 8000 keys per refresh.
 
 The decision stays on the device: the new selection is computed at every step and merged with
 the old one under the trigger mask (``torch.where``); an untriggered layer "wants" what it
-holds, so the gather copies nothing. ``branching=True`` is the host-branch version, kept to
-test that both give the same tokens. Host→device bytes are counted as a masked read moves them:
-candidate keys and missing entries of triggered steps only.
+holds, so the gather copies nothing. That is the path for CUDA, where reading the trigger on the
+host would stall the launch queue. On the CPU reading it costs nothing, so there the refresh is
+skipped when the trigger does not fire (``branching``); a test checks that both paths give the
+same tokens. Host→device bytes are counted as a masked read moves them: candidate keys and
+missing entries of triggered steps only.
 """
 
 from __future__ import annotations
@@ -51,8 +58,11 @@ class RefreshOptions:
         T: refresh at the first decode step and every T-th after it (``periodic``).
     rank : int
         R, channels of the low-rank detector.
+    slots : int
+        c: most slots of a head that a refresh re-selects; the rest keep the best of the prefill
+        selection.
     candidates : int
-        Candidates per kept slot (4 in the paper: ``4n`` exact keys read per refresh).
+        Candidates per moving slot (4 in the paper: ``4c`` exact keys read per refresh).
     eta : float
         Controller gain η.
     tau : float | None
@@ -64,9 +74,17 @@ class RefreshOptions:
     rate: float = 0.4
     period: int = 3
     rank: int = 8
+    slots: int = 256
     candidates: int = 4
     eta: float = 0.05
     tau: float | None = None
+
+    @classmethod
+    def of(cls, policy) -> "RefreshOptions":
+        """The options of a policy with ``refresh``, ``refresh_rate``, ``refresh_period`` and
+        ``refresh_slots`` fields."""
+        return cls(kind=policy.refresh, rate=policy.refresh_rate, period=policy.refresh_period,
+                   slots=policy.refresh_slots)
 
 
 class RateController:
@@ -95,6 +113,13 @@ class RateController:
         return fired
 
 
+def split_slots(selection: torch.Tensor, options: RefreshOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fixed, moving) positions of a ranked prefill ``selection`` [H_r, n] (best first): the
+    best ``n - c`` stay for good, the last ``c`` start the slots that refreshes re-select."""
+    fixed = max(0, selection.shape[1] - options.slots)
+    return selection[:, :fixed], selection[:, fixed:]
+
+
 @dataclass
 class Refresher:
     """Refresh state of one layer's refreshed heads.
@@ -104,15 +129,19 @@ class Refresher:
     heads : LongTensor [H_r]
         Which KV heads of the layer are refreshed.
     host_k, host_v : Tensor [H_r, P, 1, d]
-        Their prompt KV before the resident tail (host; pinned on CUDA), one token a "chunk".
+        Their prompt KV before the window (host; pinned on CUDA), one token a "chunk".
     detector : LowRankKeys
         Low-rank keys of those P tokens (device).
     slot_base : LongTensor [H_r]
-        Store row of each head's first slot; the head's resident tail follows its slots.
-    resident : LongTensor [H_r, n]
-        Position held by each slot.
+        Store row of each head's first moving slot; its fixed entries and window follow.
+    resident : LongTensor [H_r, c]
+        Position held by each moving slot.
+    fixed : LongTensor [H_r, n - c]
+        Positions held for good (store rows after the slots, in position order).
     tail : int
-        Rows after the slots in each head's segment (the window).
+        Rows after the slots in each head's segment (fixed entries + window).
+    branching : bool | None
+        Skip the re-selection on the host when the trigger does not fire; None: on the CPU only.
     """
 
     heads: torch.Tensor
@@ -121,21 +150,24 @@ class Refresher:
     detector: LowRankKeys
     slot_base: torch.Tensor
     resident: torch.Tensor
+    fixed: torch.Tensor
     tail: int
     options: RefreshOptions
     controller: RateController
-    branching: bool = False
+    branching: bool | None = None
     steps: int = 0
     transferred: int = 0
 
     def __post_init__(self):
         device = self.resident.device
+        if self.branching is None:
+            self.branching = device.type == "cpu"
         self.refreshes = torch.zeros((), dtype=torch.long, device=device)  # triggered layer-steps
         self.key_reads = torch.zeros((), dtype=torch.long, device=device)  # candidate key bytes
 
     @classmethod
-    def offload(cls, keys, values, heads: torch.Tensor, store: RaggedStore, selection: torch.Tensor,
-                options: RefreshOptions, controller: RateController, **kw) -> "Refresher":
+    def offload(cls, keys, values, heads: torch.Tensor, store: RaggedStore, fixed: torch.Tensor,
+                moving: torch.Tensor, options: RefreshOptions, controller: RateController, **kw) -> "Refresher":
         """Move the first ``P`` prompt positions of ``heads`` to the host, fill their slots.
 
         Parameters
@@ -143,19 +175,20 @@ class Refresher:
         keys, values : Tensor [H, N, d]
             The layer's full prompt KV.
         store : RaggedStore
-            Already holds each refreshed head's tail and reserves ``n`` slot rows before it.
-        selection : LongTensor [H_r, n]
-            Positions (< P) the slots start with (the prefill selection).
+            Already holds each refreshed head's ``fixed`` entries and window, and reserves its
+            moving slots in front of them.
+        fixed, moving : LongTensor [H_r, n - c], [H_r, c]
+            :func:`split_slots` of the prefill selection (positions < P).
         """
-        slots = selection.shape[1]
+        slots = moving.shape[1]
         tail = int(store.lengths[heads[0]]) - slots if len(heads) else 0
-        span = keys.shape[1] - tail
+        span = keys.shape[1] - (tail - fixed.shape[1])
         host_k, host_v = to_host(keys[heads, :span].unsqueeze(2)), to_host(values[heads, :span].unsqueeze(2))
         detector = LowRankKeys.build(keys[heads, :span], options.rank)
         slot_base = store.offsets[heads].clone()
-        resident = torch.full_like(selection, -1)
-        chunk_gather(host_k, host_v, store.keys, store.values, slot_base, resident, selection)
-        return cls(heads, host_k, host_v, detector, slot_base, resident, tail, options, controller, **kw)
+        resident = torch.full_like(moving, -1)
+        chunk_gather(host_k, host_v, store.keys, store.values, slot_base, resident, moving)
+        return cls(heads, host_k, host_v, detector, slot_base, resident, fixed, tail, options, controller, **kw)
 
     @staticmethod
     def device_bytes_for(heads: int, slots: int, tokens: int, dim: int, rank: int) -> int:
@@ -163,36 +196,45 @@ class Refresher:
         return LowRankKeys.bytes_for(heads, tokens, dim, rank) + 8 * heads * (slots + 2)
 
     def refresh(self, query: torch.Tensor, store: RaggedStore, scale: float) -> None:
-        """Re-select the slots for this step's ``query`` [H_kv, G, d] where the trigger fires."""
+        """Re-select the moving slots for this step's ``query`` [H_kv, G, d] where the trigger fires."""
         self.steps += 1
         q = query[self.heads].float()
-        kept, approx, drift = self._drift(q, store, scale)
+        kept, approx, held, drift = self._drift(q, store, scale)
         fired = self._fire(drift)
-        new = self._reselect(q, kept, approx)
         if self.branching:
             if not bool(fired):
                 return
-            want = new
+            want = self._reselect(q, kept, approx, held)
         else:
-            want = torch.where(fired, new, self.resident)
+            want = torch.where(fired, self._reselect(q, kept, approx, held), self.resident)
         self.transferred += chunk_gather(self.host_k, self.host_v, store.keys, store.values,
                                          self.slot_base, self.resident, want)
         self.refreshes += fired.long()
         self.key_reads += fired.long() * (self.heads.numel() * self._candidates() * self.host_k[0, 0].nbytes)
 
     def _drift(self, q: torch.Tensor, store: RaggedStore, scale: float):
-        """Unscaled exact logits of the kept slots [H_r, G, n], low-rank logits of every
-        token [H_r, G, P], and the layer's drift (0-d)."""
-        n = self.resident.shape[1]
-        rows = self.slot_base[:, None] + torch.arange(n + self.tail, device=q.device)
-        exact = torch.bmm(q, store.keys[rows].float().transpose(1, 2))  # slots + tail
+        """Unscaled exact logits of the moving slots [H_r, G, c], low-rank logits of every
+        token [H_r, G, P], the resident mask [H_r, P] and the layer's drift (0-d).
+
+        Drift of a (head, query) is ``E / (E + R)`` with ``E`` the low-rank softmax mass of the
+        evicted tokens and ``R`` the exact mass of what the device holds; ``E`` is one pass of
+        ``exp`` over the low-rank logits and a product with the evicted mask, so the [H, G, P]
+        tensor is walked a few times, not masked, copied and reduced twice.
+        """
+        c = self.resident.shape[1]
+        rows = self.slot_base[:, None] + torch.arange(c + self.tail, device=q.device)
+        held_keys = store.keys.index_select(0, rows.flatten()).view(len(self.heads), -1, store.keys.shape[-1])
+        exact = torch.bmm(q, held_keys.float().transpose(1, 2))  # slots + fixed + window
         gen = torch.bmm(q, store.gen_k[self.heads, :store.n_gen].float().transpose(1, 2))
+        resident = torch.cat([exact, gen], dim=-1).mul_(scale).logsumexp(dim=-1)  # log R, [H_r, G]
         approx = self.detector.logits(q)
-        held = torch.zeros(approx.shape[::2], dtype=torch.bool, device=q.device).scatter_(1, self.resident, True)
-        evicted = approx.masked_fill(held[:, None], float("-inf")) * scale
-        total = torch.cat([exact * scale, gen * scale, evicted], dim=-1).logsumexp(dim=-1)
-        drift = (evicted.logsumexp(dim=-1) - total).exp().mean()
-        return exact[..., :n], approx, drift
+        held = torch.zeros(approx.shape[::2], dtype=torch.bool, device=q.device)
+        held.scatter_(1, self.resident, True).scatter_(1, self.fixed, True)
+        top = approx.amax(dim=-1, keepdim=True)
+        mass = (((approx - top) * scale).exp_() * (~held).float().unsqueeze(1)).sum(dim=-1)
+        evicted = mass.log() + top.squeeze(-1) * scale  # log E, [H_r, G]
+        drift = torch.sigmoid(evicted - resident).mean()
+        return exact[..., :c], approx, held, drift
 
     def _fire(self, drift: torch.Tensor) -> torch.Tensor:
         if self.options.kind == "periodic":
@@ -201,19 +243,22 @@ class Refresher:
         return self.controller.trigger(drift)
 
     def _candidates(self) -> int:
-        return min(self.options.candidates * self.resident.shape[1], self.host_k.shape[1])
+        return min(self.options.candidates * self.resident.shape[1], self.host_k.shape[1] - self.fixed.shape[1])
 
-    def _reselect(self, q: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
-        """The top ``n`` positions among the detector's top candidates, by exact logit."""
-        score = approx.amax(dim=1).scatter_(1, self.resident, kept.amax(dim=1))  # kept: exact
-        cand = score.topk(self._candidates(), dim=1).indices  # [H_r, 4n]
+    def _reselect(self, q: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """The top ``c`` positions among the detector's top candidates (fixed ones excluded), by
+        exact logit."""
+        score = approx.amax(dim=1).masked_fill_(held, float("-inf"))
+        score.scatter_(1, self.resident, kept.amax(dim=1))  # moving slots: exact logits
+        cand = score.topk(self._candidates(), dim=1).indices  # [H_r, 4c]
         host_rows = (torch.arange(len(self.heads), device=q.device)[:, None] * self.host_k.shape[1] + cand)
-        keys = self.host_k.view(-1, self.host_k.shape[-1])[host_rows.to(self.host_k.device)]
-        exact = torch.bmm(q, keys.to(q.device).float().transpose(1, 2)).amax(dim=1)  # [H_r, 4n]
+        flat = self.host_k.view(-1, self.host_k.shape[-1])
+        keys = flat.index_select(0, host_rows.flatten().to(flat.device)).view(*cand.shape, -1)
+        exact = torch.bmm(q, keys.to(q.device).float().transpose(1, 2)).amax(dim=1)  # [H_r, 4c]
         return cand.gather(1, exact.topk(self.resident.shape[1], dim=1).indices)
 
     def device_bytes(self) -> int:
-        return self.detector.device_bytes() + tensor_bytes(self.heads, self.slot_base, self.resident)
+        return self.detector.device_bytes() + tensor_bytes(self.heads, self.slot_base, self.resident, self.fixed)
 
     def host_bytes(self) -> int:
         return tensor_bytes(self.host_k, self.host_v)
