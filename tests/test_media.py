@@ -173,18 +173,6 @@ def test_pyav_fallback_when_decord_missing(vids, monkeypatch):
     assert m.decoder == "pyav" and (m.frames_total, m.frames_used) == (1, 2)
 
 
-def test_rotated_video_is_shown_upright(tmp_path):
-    # stored 64x48 landscape, red band on top, display matrix "rotate 90 degrees clockwise"
-    p = make_video(tmp_path / "phone.mp4", n=4, rotation=-90, marker=True)
-    m = load_media([p], max_pixels=48 * 64)
-    assert_video_ok(m)
-    assert m.decoder == "pyav"  # decord garbles rotated streams
-    h, w = m.video.shape[-2:]
-    assert h > w  # portrait
-    red = m.video[0, 0].float() - m.video[0, 1].float()
-    assert red[:, -3:].mean() > 150 and red[:, :3].mean().abs() < 30  # the top band is now on the right
-
-
 @pytest.mark.parametrize("name,codec", [("clip.avi", "mpeg4"), ("clip.mkv", "libx264"), ("clip.mov", "libx264"),
                                         ("clip.webm", "libvpx-vp9")])
 def test_video_containers(tmp_path, name, codec):

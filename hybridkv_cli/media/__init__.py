@@ -4,8 +4,8 @@
 
 * one video file -> ``kind == "video"``: ``frames`` indices spread uniformly over the whole
   video (or ``duration * fps`` of them), decoded with decord, or with PyAV when decord cannot
-  open or decode the file (or is not installed, or the file carries a rotation matrix, which
-  decord mishandles); the count is made even (Qwen2.5-VL's temporal patch is 2 frames) and every
+  open or decode the file (or is not installed); frames upright (the display matrix's rotation
+  applied, ``MediaInput.rotation``); the count is made even (Qwen2.5-VL's temporal patch is 2 frames) and every
   frame is resized with Qwen's ``smart_resize`` (multiples of 28) using qwen-vl-utils' per-frame
   pixel limits;
 * one or more image files, or one directory of images -> ``kind == "images"``: EXIF orientation
