@@ -461,6 +461,14 @@ def _corrupt_cases(tmp_path: Path, vids) -> dict[str, tuple[str, str]]:
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(buf, "JPEG")
     (d / "half.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
     cases["truncated_jpeg"] = (str(d / "half.jpg"), "corrupt or truncated image")
+    for fmt, ext in (("GIF", "gif"), ("PNG", "png")):  # an animation cut short (APNG: an animated .png)
+        frames = [Image.fromarray(np.random.default_rng(i).integers(0, 255, (60, 80, 3), dtype=np.uint8))
+                  for i in range(8)]
+        buf = io.BytesIO()
+        frames[0].save(buf, fmt, save_all=True, append_images=frames[1:], duration=100)
+        (d / f"cut_anim.{ext}").write_bytes(buf.getvalue()[: len(buf.getvalue()) * 6 // 10])
+        cases[f"truncated_{'apng' if ext == 'png' else ext}"] = (str(d / f"cut_anim.{ext}"),
+                                                                 "corrupt or truncated animation")
     (d / "data.xyz").write_text("x")
     cases["unsupported"] = (str(d / "data.xyz"), r"unsupported file type '\.xyz' \(supported: \.avi, \.bmp")
     (d / "README").write_text("x")
@@ -474,7 +482,7 @@ def _corrupt_cases(tmp_path: Path, vids) -> dict[str, tuple[str, str]]:
 
 CORRUPT = ["missing", "dangling", "zero_video", "zero_image", "audio_only", "truncated_header", "truncated_body",
            "no_decodable_frames", "text_as_video", "png_as_video", "video_as_image", "junk_image", "truncated_png",
-           "truncated_jpeg", "unsupported", "no_extension", "audio_extension", "dir_named_png"]
+           "truncated_jpeg", "truncated_gif", "truncated_apng", "unsupported", "no_extension", "audio_extension", "dir_named_png"]
 
 
 @pytest.fixture(scope="module")

@@ -116,8 +116,11 @@ def target_size(height: int, width: int, min_pixels: int, max_pixels: int, *, so
     except Exception as e:  # ValueError / AssertionError from qwen-vl-utils
         raise MediaError(f"cannot size {width}x{height} for the model: {one_line(e)}", source=source) from None
     h, w = max(PATCH_FACTOR, int(h)), max(PATCH_FACTOR, int(w))
+    aspect = math.log(height / width)
     while h * w > max_pixels and max(h, w) > PATCH_FACTOR:  # smart_resize floors a side to 0 / rounds up
-        if h >= w:
+        # shrink the side that keeps the shape closest to the source's (a portrait stays portrait)
+        if w <= PATCH_FACTOR or (h > PATCH_FACTOR and abs(math.log((h - PATCH_FACTOR) / w) - aspect)
+                                 <= abs(math.log(h / (w - PATCH_FACTOR)) - aspect)):
             h -= PATCH_FACTOR
         else:
             w -= PATCH_FACTOR
