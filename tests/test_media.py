@@ -320,7 +320,7 @@ def test_image_modes_to_rgb(tmp_path, case):
         frames = [Image.new("RGB", (40, 30), c) for c in [(255, 0, 0), (0, 255, 0), (0, 0, 255)]]
         p = tmp_path / "anim.gif"
         frames[0].save(p, save_all=True, append_images=frames[1:], duration=100, loop=0)
-        expect = (255, 0, 0)  # first frame
+        expect = (255, 0, 0)  # in an image set, an animation gives its first frame (alone: a video)
     elif case == "tiff16":
         p = tmp_path / "deep.tif"
         Image.fromarray(np.full((30, 40), 65535, dtype=np.uint16)).save(p)
@@ -328,7 +328,11 @@ def test_image_modes_to_rgb(tmp_path, case):
     elif case == "bmp":
         p = make_image(tmp_path / "x.bmp", color=(10, 200, 30))
         expect = (10, 200, 30)
-    m = load_media([p])
+    if case == "gif_anim":
+        with pytest.warns(MediaWarning, match="only its first frame is used"):
+            m = load_media([p, make_image(tmp_path / "other.png")])
+    else:
+        m = load_media([p])
     assert_images_ok(m)
     im = m.images[0]
     px = np.asarray(im)[im.size[1] // 2, im.size[0] // 2].astype(int)
@@ -470,7 +474,7 @@ def _corrupt_cases(tmp_path: Path, vids) -> dict[str, tuple[str, str]]:
         cases[f"truncated_{'apng' if ext == 'png' else ext}"] = (str(d / f"cut_anim.{ext}"),
                                                                  "corrupt or truncated animation")
     (d / "data.xyz").write_text("x")
-    cases["unsupported"] = (str(d / "data.xyz"), r"unsupported file type '\.xyz' \(supported: \.avi, \.bmp")
+    cases["unsupported"] = (str(d / "data.xyz"), r"unsupported file type '\.xyz' \(supported: \.apng, \.avi, \.bmp")
     (d / "README").write_text("x")
     cases["no_extension"] = (str(d / "README"), "no extension")
     (d / "song.m4a").write_bytes(b"x")
