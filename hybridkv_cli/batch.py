@@ -37,7 +37,7 @@ def error_record(key: str, exc: BaseException) -> dict:
     return {"input": key, "error": {"type": type(exc).__name__, "message": one_line(message)}}
 
 
-def stop_line(summary: "Summary", total: int, output) -> str:
+def stop_line(summary: Summary, total: int, output) -> str:
     """The one line a stopped run ends with: what was interrupted and how to go on."""
     done = summary.ok + summary.failed
     what = f"{signals.describe(summary.stopped_by)} after {done} of {total} input{'s' if total != 1 else ''}"

@@ -7,6 +7,7 @@ imports once; the rest runs in process.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import logging
@@ -18,13 +19,11 @@ import time
 import warnings
 from pathlib import Path
 
-import importlib.util
-
 import pytest
 from PIL import Image
 
 from hybridkv_cli import cli
-from hybridkv_cli.errors import MediaError, MediaWarning
+from hybridkv_cli.errors import MediaWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
 from media_fixtures import make_noise_video, make_video  # noqa: E402
