@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+from hybridkv_cli import signals
 from hybridkv_cli.errors import HybridKVError, ModelError, UsageError, one_line
 from hybridkv_cli.inputs import Item
 from hybridkv_cli.jsonl import JsonlFile
@@ -22,7 +23,8 @@ from hybridkv_cli.progress import Progress, clock
 if TYPE_CHECKING:  # pragma: no cover - the session imports torch; the batch loop itself does not
     from hybridkv_cli.session import Session
 
-#: Exit codes of a run: all inputs answered / at least one failed / interrupted (Ctrl-C).
+#: Exit codes of a run: all inputs answered / at least one failed / interrupted (Ctrl-C; SIGTERM
+#: gives 143 and SIGHUP 129, 128 + the signal number).
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -35,18 +37,34 @@ def error_record(key: str, exc: BaseException) -> dict:
     return {"input": key, "error": {"type": type(exc).__name__, "message": one_line(message)}}
 
 
+def stop_line(summary: Summary, total: int, output) -> str:
+    """The one line a stopped run ends with: what was interrupted and how to go on."""
+    done = summary.ok + summary.failed
+    what = f"{signals.describe(summary.stopped_by)} after {done} of {total} input{'s' if total != 1 else ''}"
+    if output:
+        return f"{what}; the completed lines are in {output} (run the same command with --resume to continue)"
+    return f"{what} (a run with --output FILE can continue where it stopped with --resume)"
+
+
 @dataclass
 class Summary:
-    """How a run went: inputs answered, failed, skipped (``--resume``), and whether Ctrl-C stopped it."""
+    """How a run went: inputs answered, failed, skipped (``--resume``), and the signal that stopped
+    it (Ctrl-C, SIGTERM, SIGHUP), if one did."""
 
     ok: int = 0
     failed: int = 0
     skipped: int = 0
-    interrupted: bool = False
+    stopped_by: int | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stopped_by is not None
 
     @property
     def exit_code(self) -> int:
-        return EXIT_INTERRUPTED if self.interrupted else EXIT_FAILED if self.failed else EXIT_OK
+        if self.stopped_by is not None:
+            return signals.exit_code(self.stopped_by)
+        return EXIT_FAILED if self.failed else EXIT_OK
 
 
 def run_batch(items: list[Item], question: str, session: Session, *, console, jsonl: TextIO | None = None,
@@ -61,7 +79,7 @@ def run_batch(items: list[Item], question: str, session: Session, *, console, js
     :class:`UsageError` (a command-line problem) or :class:`ModelError` (the model cannot load)
     would fail every input the same way and stops the run; any other failure is recorded and
     the run goes on (``debug``: unexpected exceptions propagate).
-    Ctrl-C stops after the completed lines (``Summary.interrupted``).
+    Ctrl-C, SIGTERM or SIGHUP stop after the completed lines (``Summary.stopped_by``).
     """
     from rich.markup import escape
 
@@ -118,16 +136,13 @@ def run_batch(items: list[Item], question: str, session: Session, *, console, js
                     human.print(f"[bold]── {escape(item.key)}[/bold]", highlight=False, soft_wrap=True)
                     render(result, human)
                 progress.finish(item.key, True, time.perf_counter() - started)
-    except KeyboardInterrupt:
-        summary.interrupted = True
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.signals)
+        summary.stopped_by = signals.signal_of(e)
     finally:
         if sink is not None:
             sink.close()
-    done = summary.ok + summary.failed
-    where = f"; the completed lines are in {output} (run again with --resume to continue)" if output else ""
     if summary.interrupted:
-        console.print(f"interrupted after {done} of {len(items)} input{'s' if len(items) != 1 else ''}{escape(where)}",
-                      highlight=False, soft_wrap=True)
+        console.print(escape(stop_line(summary, len(items), output)), highlight=False, soft_wrap=True)
     elif not quiet:
         skipped = f", {summary.skipped} skipped (already answered)" if summary.skipped else ""
         console.print(f"done: {summary.ok} answered, {summary.failed} failed{skipped} in "

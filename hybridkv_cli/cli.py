@@ -16,8 +16,9 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from hybridkv_cli.console import err, one_line_warnings, print_error, print_warning, status
+from hybridkv_cli.console import err, one_line_warnings, print_error, print_warning, quiet_libraries, status
 from hybridkv_cli.errors import HybridKVError, UsageError, one_line
+from hybridkv_cli.signals import describe, exit_code, signal_of, stop_on_signals
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Answer questions about videos and image sets with Qwen2.5-VL under a KV-cache budget.")
@@ -89,7 +90,7 @@ ASK_HELP = (
     "already answered (failed ones are retried). Progress, warnings and errors go to stderr.\n\n"
     "Exit status: 0 every input answered; 1 an input failed (the others still ran) or the model did not load; "
     "2 bad command line; "
-    "130 interrupted (completed lines are kept)."
+    "130 interrupted by Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (completed lines are kept)."
 )
 
 
@@ -163,9 +164,8 @@ def ask(
             if len(paths) > 1 and "one video per prompt" in e.reason:
                 e.reason += "; add --each to ask the question about each file separately"
             raise
-        except KeyboardInterrupt:
-            err.print("interrupted")
-            return 130
+        except KeyboardInterrupt as e:
+            return _stopped(e)
         if as_json or jsonl:
             print(json.dumps(result), flush=True)
         else:
@@ -316,8 +316,8 @@ def methods():
 
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI on ``argv`` (default: sys.argv) and return the exit status: 0 ok, 1 runtime
-    failure, 2 usage error, 130 interrupted. Every error is one line on stderr (``--debug``:
-    the traceback)."""
+    failure, 2 usage error, 130 interrupted (143 SIGTERM, 129 SIGHUP). Every error is one line on
+    stderr (``--debug``: the traceback); libraries' warnings and log lines only show with ``--debug``."""
     try:  # typer >= 0.25 runs on a vendored click: its exceptions are not `click`'s
         from typer import _click as click
     except ImportError:  # pragma: no cover - older typer on the real click
@@ -325,7 +325,8 @@ def run(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _state["debug"] = False
-    with one_line_warnings():
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)  # known before typer parses: libraries log early
+    with one_line_warnings(), quiet_libraries(debug), stop_on_signals():
         try:
             code = app(args=argv, prog_name="hybridkv", standalone_mode=False)
         except HybridKVError as e:
@@ -333,9 +334,8 @@ def run(argv: list[str] | None = None) -> int:
                 raise
             print_error(str(e))
             return e.exit_code
-        except (KeyboardInterrupt, typer.Abort):
-            err.print("interrupted")
-            return 130
+        except (KeyboardInterrupt, typer.Abort) as e:
+            return _stopped(e)
         except click.exceptions.NoArgsIsHelpError as e:
             e.show()
             return 2
@@ -358,6 +358,13 @@ def run(argv: list[str] | None = None) -> int:
             print_error(f"{type(e).__name__}: {one_line(e, limit=None)} (run with --debug for the traceback)")
             return 1
     return code if isinstance(code, int) else 0
+
+
+def _stopped(e: BaseException) -> int:
+    """Ctrl-C, SIGTERM or SIGHUP outside a batch: one line, exit 128 + the signal number."""
+    signum = signal_of(e)
+    err.print(describe(signum), highlight=False)
+    return exit_code(signum)
 
 
 def main() -> None:

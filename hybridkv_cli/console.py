@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from contextlib import contextmanager, nullcontext
 from typing import Callable, ContextManager, Iterator
@@ -9,7 +10,7 @@ from typing import Callable, ContextManager, Iterator
 from rich.console import Console
 from rich.markup import escape
 
-from hybridkv_cli.errors import one_line
+from hybridkv_cli.errors import MediaWarning, one_line
 
 err = Console(stderr=True)
 
@@ -40,3 +41,25 @@ def one_line_warnings(print_line: Callable[[str], None] = print_warning) -> Iter
 
         warnings.showwarning = show
         yield
+
+
+@contextmanager
+def quiet_libraries(debug: bool = False) -> Iterator[None]:
+    """Keep libraries' warnings and log lines (transformers, tokenizers, PyAV, Pillow, ...) off
+    stderr while a command runs: the user gets our one-line errors, not "Token indices sequence
+    length is longer than ..." above them. ``debug`` leaves everything on. Scoped: the logging
+    and warning state in force before comes back afterwards (importing hybridkv changes nothing)."""
+    if debug:
+        yield
+        return
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)  # every logger, including transformers' own stderr handler
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            # ours still show: notices about inputs (MediaWarning) and the CLI's own UserWarnings
+            warnings.filterwarnings("always", category=MediaWarning)
+            warnings.filterwarnings("always", category=UserWarning, module=r"hybridkv_cli(\.|$)")
+            yield
+    finally:
+        logging.disable(previous)

@@ -34,11 +34,12 @@ class Item:
 
 
 def read_context(path: str, stdin: TextIO | None = None) -> str:
-    """The text of a ``--context`` file (``-``: all of ``stdin``), as UTF-8."""
+    """The text of a ``--context`` file (``-``: all of ``stdin``), as UTF-8; a byte-order mark
+    (Notepad writes one) is dropped, and any line ending reads as ``\n``."""
     if path == "-":
-        return (stdin or sys.stdin).read()
+        return (stdin or sys.stdin).read().removeprefix("\ufeff")
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise MediaError("no such file", path) from None
     except IsADirectoryError:

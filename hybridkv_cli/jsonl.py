@@ -1,17 +1,15 @@
-"""The JSON-lines output file: whole lines only, fsynced one by one, Ctrl-C held while a line is written."""
+"""The JSON-lines output file: whole lines only, fsynced one by one, Ctrl-C / SIGTERM / SIGHUP held while a
+line is written."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from hybridkv_cli.errors import HybridKVError, MediaWarning
+from hybridkv_cli.signals import deferred_signals
 
 
 def record_key(record) -> str | None:
@@ -20,26 +18,6 @@ def record_key(record) -> str | None:
         return None
     inp = record.get("input")
     return inp.get("label") if isinstance(inp, dict) and isinstance(inp.get("label"), str) else None
-
-
-@contextmanager
-def deferred_sigint() -> Iterator[None]:
-    """Hold Ctrl-C until the block is done (a record line is written whole or not at all)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
-    except (ValueError, OSError):  # pragma: no cover - signals unavailable here
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            raise KeyboardInterrupt
 
 
 class JsonlFile:
@@ -123,7 +101,7 @@ class JsonlFile:
     def write(self, line: str) -> None:
         data = (line + "\n").encode("utf-8")
         try:
-            with deferred_sigint():
+            with deferred_signals():
                 view = memoryview(data)
                 while view:
                     view = view[os.write(self._fd, view):]

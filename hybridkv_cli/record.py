@@ -38,15 +38,19 @@ def input_record(media: MediaInput | None, prompt: Prompt) -> dict:
     if media is None:
         return {"kind": "text", "label": "text", "files": [], "context_tokens": prompt.visual_tokens,
                 "text_tokens": prompt.text_tokens}
-    return {
+    record = {
         "kind": media.kind,
         "label": media.label,
         "files": [str(p) for p in media.sources],
         "frames_total": media.frames_total,
         "frames_used": media.frames_used,
+        "frame_size": media.frame_size,  # [w, h] the model saw (None: images of several sizes)
         "visual_tokens": prompt.visual_tokens,
         "text_tokens": prompt.text_tokens,
     }
+    if media.rotation:  # only when the frames were turned upright
+        record["rotation"] = media.rotation
+    return record
 
 
 def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, question: str, policy: Policy,

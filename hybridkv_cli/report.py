@@ -22,6 +22,16 @@ def prompt_tokens(inp: dict) -> str:
     return f"{inp[role + '_tokens']} {role} + {inp['text_tokens']} text tokens"
 
 
+def input_detail(inp: dict) -> str:
+    """``8 frames, 224x168, turned 90° upright``: what the model saw of the media."""
+    parts = [f"{inp['frames_used']} {'frames' if inp['kind'] == 'video' else 'images'}"]
+    if inp.get("frame_size"):
+        parts.append("{}x{}".format(*inp["frame_size"]))
+    if inp.get("rotation"):
+        parts.append(f"turned {inp['rotation']}° upright")
+    return ", ".join(parts)
+
+
 def render(result: dict, console: Console) -> None:
     """Print the answer, then a compact table of the measurements."""
     console.print(result["answer"], markup=False, highlight=False)
@@ -32,7 +42,7 @@ def render(result: dict, console: Console) -> None:
     table.add_column(style="bold")
     table.add_column()
     if inp["kind"] != "text":
-        table.add_row("input", f"{inp['label']}  ({inp['frames_used']} {'frames' if inp['kind'] == 'video' else 'images'})")
+        table.add_row("input", f"{inp['label']}  ({input_detail(inp)})")
     table.add_row("prompt", prompt_tokens(inp))
     deferred = "  (question read after compression)" if result.get("defer_question") else ""
     table.add_row("method", f"{result['method']}  budget {result['budget']:g}{deferred}")

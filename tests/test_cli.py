@@ -25,7 +25,7 @@ FAST = ["--model", "demo", "--frames", "4", "--max-pixels", str(28 * 28 * 6), "-
 
 SCHEMA = {
     "input": {"kind": str, "label": str, "files": list, "frames_total": (int, type(None)), "frames_used": int,
-              "visual_tokens": int, "text_tokens": int},
+              "frame_size": (list, type(None)), "visual_tokens": int, "text_tokens": int},
     "question": str, "answer": str, "method": str, "budget": float, "defer_question": bool, "prefill_s": float,
     "decode": {"tokens": int, "ms_per_token_mean": (float, type(None)), "p50": (float, type(None)),
                "p90": (float, type(None))},

@@ -173,18 +173,6 @@ def test_pyav_fallback_when_decord_missing(vids, monkeypatch):
     assert m.decoder == "pyav" and (m.frames_total, m.frames_used) == (1, 2)
 
 
-def test_rotated_video_is_shown_upright(tmp_path):
-    # stored 64x48 landscape, red band on top, display matrix "rotate 90 degrees clockwise"
-    p = make_video(tmp_path / "phone.mp4", n=4, rotation=-90, marker=True)
-    m = load_media([p], max_pixels=48 * 64)
-    assert_video_ok(m)
-    assert m.decoder == "pyav"  # decord garbles rotated streams
-    h, w = m.video.shape[-2:]
-    assert h > w  # portrait
-    red = m.video[0, 0].float() - m.video[0, 1].float()
-    assert red[:, -3:].mean() > 150 and red[:, :3].mean().abs() < 30  # the top band is now on the right
-
-
 @pytest.mark.parametrize("name,codec", [("clip.avi", "mpeg4"), ("clip.mkv", "libx264"), ("clip.mov", "libx264"),
                                         ("clip.webm", "libvpx-vp9")])
 def test_video_containers(tmp_path, name, codec):
@@ -332,7 +320,7 @@ def test_image_modes_to_rgb(tmp_path, case):
         frames = [Image.new("RGB", (40, 30), c) for c in [(255, 0, 0), (0, 255, 0), (0, 0, 255)]]
         p = tmp_path / "anim.gif"
         frames[0].save(p, save_all=True, append_images=frames[1:], duration=100, loop=0)
-        expect = (255, 0, 0)  # first frame
+        expect = (255, 0, 0)  # in an image set, an animation gives its first frame (alone: a video)
     elif case == "tiff16":
         p = tmp_path / "deep.tif"
         Image.fromarray(np.full((30, 40), 65535, dtype=np.uint16)).save(p)
@@ -340,7 +328,11 @@ def test_image_modes_to_rgb(tmp_path, case):
     elif case == "bmp":
         p = make_image(tmp_path / "x.bmp", color=(10, 200, 30))
         expect = (10, 200, 30)
-    m = load_media([p])
+    if case == "gif_anim":
+        with pytest.warns(MediaWarning, match="only its first frame is used"):
+            m = load_media([p, make_image(tmp_path / "other.png")])
+    else:
+        m = load_media([p])
     assert_images_ok(m)
     im = m.images[0]
     px = np.asarray(im)[im.size[1] // 2, im.size[0] // 2].astype(int)
@@ -473,8 +465,16 @@ def _corrupt_cases(tmp_path: Path, vids) -> dict[str, tuple[str, str]]:
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(buf, "JPEG")
     (d / "half.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
     cases["truncated_jpeg"] = (str(d / "half.jpg"), "corrupt or truncated image")
+    for fmt, ext in (("GIF", "gif"), ("PNG", "png")):  # an animation cut short (APNG: an animated .png)
+        frames = [Image.fromarray(np.random.default_rng(i).integers(0, 255, (60, 80, 3), dtype=np.uint8))
+                  for i in range(8)]
+        buf = io.BytesIO()
+        frames[0].save(buf, fmt, save_all=True, append_images=frames[1:], duration=100)
+        (d / f"cut_anim.{ext}").write_bytes(buf.getvalue()[: len(buf.getvalue()) * 6 // 10])
+        cases[f"truncated_{'apng' if ext == 'png' else ext}"] = (str(d / f"cut_anim.{ext}"),
+                                                                 "corrupt or truncated animation")
     (d / "data.xyz").write_text("x")
-    cases["unsupported"] = (str(d / "data.xyz"), r"unsupported file type '\.xyz' \(supported: \.avi, \.bmp")
+    cases["unsupported"] = (str(d / "data.xyz"), r"unsupported file type '\.xyz' \(supported: \.apng, \.avi, \.bmp")
     (d / "README").write_text("x")
     cases["no_extension"] = (str(d / "README"), "no extension")
     (d / "song.m4a").write_bytes(b"x")
@@ -486,7 +486,7 @@ def _corrupt_cases(tmp_path: Path, vids) -> dict[str, tuple[str, str]]:
 
 CORRUPT = ["missing", "dangling", "zero_video", "zero_image", "audio_only", "truncated_header", "truncated_body",
            "no_decodable_frames", "text_as_video", "png_as_video", "video_as_image", "junk_image", "truncated_png",
-           "truncated_jpeg", "unsupported", "no_extension", "audio_extension", "dir_named_png"]
+           "truncated_jpeg", "truncated_gif", "truncated_apng", "unsupported", "no_extension", "audio_extension", "dir_named_png"]
 
 
 @pytest.fixture(scope="module")

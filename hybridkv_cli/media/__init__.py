@@ -4,13 +4,16 @@
 
 * one video file -> ``kind == "video"``: ``frames`` indices spread uniformly over the whole
   video (or ``duration * fps`` of them), decoded with decord, or with PyAV when decord cannot
-  open or decode the file (or is not installed, or the file carries a rotation matrix, which
-  decord mishandles); the count is made even (Qwen2.5-VL's temporal patch is 2 frames) and every
+  open or decode the file (or is not installed); frames upright (the display matrix's rotation
+  applied, ``MediaInput.rotation``); the count is made even (Qwen2.5-VL's temporal patch is 2 frames) and every
   frame is resized with Qwen's ``smart_resize`` (multiples of 28) using qwen-vl-utils' per-frame
   pixel limits;
+* one animated GIF / WebP / APNG -> ``kind == "video"``, its frames sampled like a video's
+  (:mod:`.animation`);
 * one or more image files, or one directory of images -> ``kind == "images"``: EXIF orientation
   applied, converted to RGB (alpha composited on white, 16-bit scaled down, CMYK/palette/grey
-  converted), first frame of animations, resized with ``smart_resize``.
+  converted), first frame of an animation inside a set (with a warning), resized with
+  ``smart_resize``; a set of more than 256 images or 16k visual tokens gets a warning.
 
 One job per module: :mod:`.paths` (path checks, the directory scan, labels), :mod:`.sniff`
 (file checks, content sniffing), :mod:`.geometry` (Qwen's sizes), :mod:`.images` (image
@@ -31,7 +34,8 @@ from typing import Sequence
 import numpy as np
 
 from hybridkv_cli.errors import UsageError
-from hybridkv_cli.media.geometry import check_pixel_arg, pixel_bounds, target_size
+from hybridkv_cli.media.animation import is_animation, load_animation
+from hybridkv_cli.media.geometry import check_pixel_arg, pixel_bounds, target_size, warn_if_large
 from hybridkv_cli.media.images import load_image
 from hybridkv_cli.media.input import MediaInput
 from hybridkv_cli.media.paths import (IMAGE_EXTENSIONS, MEDIA_EXTENSIONS, VIDEO_EXTENSIONS, ExpandedInputs,
@@ -90,6 +94,11 @@ def load_media(paths: Sequence[str | os.PathLike] | str | os.PathLike, *, frames
     expanded = expand_inputs(paths)
     if expanded.kind == "video":
         return load_video(expanded.sources[0], int(frames), fps, min_pixels, max_pixels)
-    images = tuple(load_image(p, min_pixels, max_pixels) for p in expanded.sources)
-    return MediaInput(kind="images", sources=expanded.sources, video=None, images=images, frames_total=None,
-                      frames_used=len(images), sample_fps=None, origin=expanded.origin, decoder="pillow")
+    if len(expanded.sources) == 1 and is_animation(expanded.sources[0]):
+        return load_animation(expanded.sources[0], int(frames), fps, min_pixels, max_pixels, expanded.origin)
+    several = len(expanded.sources) > 1
+    images = tuple(load_image(p, min_pixels, max_pixels, in_set=several) for p in expanded.sources)
+    media = MediaInput(kind="images", sources=expanded.sources, video=None, images=images, frames_total=None,
+                       frames_used=len(images), sample_fps=None, origin=expanded.origin, decoder="pillow")
+    warn_if_large(media)
+    return media

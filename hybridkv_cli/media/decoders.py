@@ -2,7 +2,8 @@
 
 ``plan(total, duration, (height, width))`` is the caller's sampling rule: it returns the source
 frame indices to keep and the size to resize them to. decord is tried first; a decoder that
-cannot handle a file raises :class:`DecodeFailed` and the next one (PyAV) takes over.
+cannot handle a file raises :class:`DecodeFailed` and the next one (PyAV) takes over. Both
+return the frames upright: the rotation of the stream's display matrix is applied.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def to_display(chunk: torch.Tensor, rotation: int) -> torch.Tensor:
     return torch.rot90(chunk, k, dims=(-2, -1)) if k else chunk
 
 
+def upright_size(probe: Probe) -> tuple[int, int]:
+    """(height, width) of the frames as displayed (a quarter turn swaps them)."""
+    return (probe.width, probe.height) if probe.rotation in (90, 270) else (probe.height, probe.width)
+
+
 def resize_chunk(chunk: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Frames ``(..., H, W)`` resized to ``size`` (bicubic, antialiased), or as they are."""
     if tuple(chunk.shape[-2:]) == size:
@@ -68,7 +74,13 @@ def decode_decord(path: Path, probe: Probe, plan: Plan, shown: str) -> Decoded:
             pass
         _decord_quiet = True
     try:
-        vr = decord.VideoReader(str(path), ctx=decord.cpu(0))
+        if probe.rotation:
+            # decord applies the display matrix itself but only gets the buffer size right when asked
+            # for the stored size: the upright picture then comes squeezed into it, and the resize to
+            # the upright target below undoes the squeeze (checked against PyAV in the tests).
+            vr = decord.VideoReader(str(path), ctx=decord.cpu(0), width=probe.width, height=probe.height)
+        else:
+            vr = decord.VideoReader(str(path), ctx=decord.cpu(0))
         total = len(vr)
         if total <= 0:
             raise DecodeFailed("decord found no frames")
@@ -82,7 +94,7 @@ def decode_decord(path: Path, probe: Probe, plan: Plan, shown: str) -> Decoded:
         except Exception:
             pass
         duration = duration or probe.duration or (total / avg_fps if avg_fps > 0 else total / 2.0)
-        indices, size = plan(total, duration, (probe.height, probe.width))
+        indices, size = plan(total, duration, upright_size(probe))
         out = []
         for start in range(0, len(indices), DECODE_CHUNK):
             idx = indices[start:start + DECODE_CHUNK]
@@ -122,8 +134,7 @@ def decode_pyav(path: Path, probe: Probe, plan: Plan, shown: str) -> Decoded:
         raise MediaError("no decodable video frames (the video stream is empty)", source=shown)
     duration = probe.duration or (total / probe.fps if probe.fps else total / 2.0)
     first_time = last_time = None
-    rot_h, rot_w = (probe.width, probe.height) if probe.rotation in (90, 270) else (probe.height, probe.width)
-    indices, size = plan(total, duration, (rot_h, rot_w))
+    indices, size = plan(total, duration, upright_size(probe))
 
     wanted: dict[int, list[int]] = {}
     for pos, i in enumerate(indices):

@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 from PIL import Image, ImageOps
 
-from hybridkv_cli.errors import HybridKVError, MediaError
+from hybridkv_cli.errors import HybridKVError, MediaError, MediaWarning
 from hybridkv_cli.media.geometry import pixel_bounds, target_size
 from hybridkv_cli.media.sniff import check_file, one_line, sniff
 
@@ -22,7 +22,7 @@ _PIL_OPEN_LOCK = threading.Lock()
 
 
 @contextmanager
-def _pil_image(path: Path) -> Iterator[Image.Image]:
+def pil_image(path: Path) -> Iterator[Image.Image]:
     """Image.open without Pillow's decompression-bomb refusal (we check sizes ourselves,
     after JPEG draft reduction). Only the header is read here."""
     with _PIL_OPEN_LOCK:
@@ -45,7 +45,7 @@ def _exif_orientation(im: Image.Image) -> int:
         return 1
 
 
-def _to_rgb(im: Image.Image) -> Image.Image:
+def to_rgb(im: Image.Image) -> Image.Image:
     mode = im.mode
     if mode == "RGB":
         return im
@@ -76,12 +76,14 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def load_image(path: Path, min_pixels: int | None, max_pixels: int | None) -> Image.Image:
+def load_image(path: Path, min_pixels: int | None, max_pixels: int | None, *, in_set: bool = False) -> Image.Image:
+    """One image, upright, RGB, at Qwen's size. ``in_set``: part of an image set of several files,
+    where an animation gives its first frame (with a warning; alone it is read as a video)."""
     shown = str(path)
     head = check_file(path, shown)
     guess = sniff(head)
     try:
-        with _pil_image(path) as im:
+        with pil_image(path) as im:
             fmt = im.format or "image"
             width, height = im.size
             orientation = _exif_orientation(im)
@@ -96,7 +98,10 @@ def load_image(path: Path, min_pixels: int | None, max_pixels: int | None) -> Im
             if dw * dh > MAX_SOURCE_PIXELS:
                 raise MediaError(f"image too large: {width}x{height} = {width * height / 1e6:.0f} megapixels "
                                  f"(limit {MAX_SOURCE_PIXELS / 1e6:.0f} MP); downscale it first", source=shown)
-            im.seek(0)  # animated GIF / WebP / APNG: first frame
+            if in_set and getattr(im, "is_animated", False):
+                warnings.warn(f"{shown}: an animated {fmt} in an image set: only its first frame is used (give it "
+                              "alone, or use --each, to read its frames as a video)", MediaWarning, stacklevel=3)
+            im.seek(0)  # animated GIF / WebP / APNG in an image set: first frame
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 im.load()
@@ -105,7 +110,7 @@ def load_image(path: Path, min_pixels: int | None, max_pixels: int | None) -> Im
             except Exception:  # malformed EXIF: keep the stored orientation
                 oriented = im.copy()
             try:
-                rgb = _to_rgb(oriented)
+                rgb = to_rgb(oriented)
             except (ValueError, OSError) as e:  # e.g. LAB / exotic TIFF modes Pillow cannot convert
                 raise MediaError(f"cannot convert image mode {oriented.mode} to RGB ({one_line(e)})",
                                  source=shown) from None

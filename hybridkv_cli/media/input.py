@@ -29,10 +29,18 @@ class MediaInput:
     origin: str | None = None  # what the user typed (video path, directory), for the label
     decoder: str | None = None  # "decord" / "pyav" (video) or "pillow" (images)
     frame_indices: tuple[int, ...] | None = None  # source frame index of each video frame
+    rotation: int = 0  # degrees counter-clockwise turned to show a video upright (its display matrix)
 
     @property
     def label(self) -> str:
         return self.origin or set_label(self.sources)
+
+    @property
+    def frame_size(self) -> list[int] | None:
+        """[width, height] of the frames / images the model sees (None: images of several sizes)."""
+        sizes = {(int(self.video.shape[-1]), int(self.video.shape[-2]))} if self.video is not None else \
+            {im.size for im in self.images}
+        return list(sizes.pop()) if len(sizes) == 1 else None
 
     @property
     def size(self) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from hybridkv_cli.media.sniff import lstat_checked
 from hybridkv_cli.errors import MediaWarning
 
 VIDEO_EXTENSIONS = {".mp4", ".mov", ".avi", ".mkv", ".webm"}
-IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".apng", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 MEDIA_EXTENSIONS = VIDEO_EXTENSIONS | IMAGE_EXTENSIONS
 
 

@@ -58,10 +58,8 @@ def _load_video(path: Path, frames: int, fps: float | None, min_pixels: int | No
         lo, hi = pixel_bounds("video", max(len(indices), FRAME_FACTOR), min_pixels=min_pixels, max_pixels=max_pixels)
         return indices, target_size(*source_size, lo, hi, source=shown)
 
-    # decord ignores display matrices: a rotated video goes straight to PyAV
-    decoders = DECODERS[1:] if probe.rotation else DECODERS
     failures = []
-    for name, decode in decoders:
+    for name, decode in DECODERS:
         try:
             decoded = decode(path, probe, plan, shown)
             break
@@ -80,4 +78,4 @@ def _load_video(path: Path, frames: int, fps: float | None, min_pixels: int | No
     sample_fps = used / decoded.duration if decoded.duration and decoded.duration > 0 else None
     return MediaInput(kind="video", sources=(path,), video=video, images=(), frames_total=int(decoded.total),
                       frames_used=used, sample_fps=sample_fps, origin=shown, decoder=name,
-                      frame_indices=tuple(int(i) for i in indices))
+                      frame_indices=tuple(int(i) for i in indices), rotation=probe.rotation)

@@ -1,0 +1,100 @@
+"""Stop signals: SIGTERM and SIGHUP (kill, timeout, systemd, Slurm, Ray, a closed terminal) end a
+run the way Ctrl-C does, as a :class:`KeyboardInterrupt`, so every completed line is kept and
+the exit status is 128 + the signal number (130 SIGINT, 143 SIGTERM, 129 SIGHUP)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+#: The signals a run stops on (SIGHUP does not exist on Windows).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Terminated(KeyboardInterrupt):
+    """A stop signal other than SIGINT: a KeyboardInterrupt, so every Ctrl-C path handles it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+def interrupt_for(signum: int) -> KeyboardInterrupt:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def signal_of(exc: BaseException | None) -> int:
+    """The signal behind an interruption (a KeyboardInterrupt, or click's Abort raised from one)."""
+    while exc is not None:
+        if isinstance(exc, Terminated):
+            return exc.signum
+        if isinstance(exc, KeyboardInterrupt):
+            return int(signal.SIGINT)
+        exc = exc.__cause__ or exc.__context__
+    return int(signal.SIGINT)
+
+
+def exit_code(signum: int) -> int:
+    return 128 + int(signum)
+
+
+def describe(signum: int) -> str:
+    """``interrupted`` for Ctrl-C, ``stopped by SIGTERM`` for the others."""
+    return "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise :class:`Terminated` (the previous handlers
+    come back afterwards: nothing is installed at import)."""
+    previous = {}
+    if _main_thread():
+        for signum in STOP_SIGNALS:
+            if signum == signal.SIGINT:
+                continue  # Python's own handler already raises KeyboardInterrupt
+            try:
+                previous[signum] = signal.signal(signum, _raise)
+            except (ValueError, OSError):  # pragma: no cover - not settable here
+                pass
+    try:
+        yield
+    finally:
+        _restore(previous)
+
+
+def _restore(previous: dict) -> None:
+    for signum, handler in previous.items():
+        if handler is not None:  # None: a handler set from C, which Python cannot reinstall
+            signal.signal(signum, handler)
+
+
+def _raise(signum, frame):
+    raise Terminated(signum)
+
+
+@contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Hold the stop signals until the block is done (a record line is written whole or not at
+    all), then raise the first one that came."""
+    if not _main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {}
+    try:
+        for signum in STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, lambda s, f: caught.append(s))
+    except (ValueError, OSError):  # pragma: no cover - signals unavailable here
+        pass
+    try:
+        yield
+    finally:
+        _restore(previous)
+        if caught:
+            raise interrupt_for(caught[0])
