@@ -108,7 +108,7 @@ def read_tasks(path: str | Path) -> list[Task]:
 
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM (Notepad) is not JSON
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read the task file: {getattr(e, 'strerror', None) or e}", str(path)) from None
     tasks: list[Task] = []

@@ -69,8 +69,6 @@ def test_task_file_any_line_ending(tmp_path, ending):
     assert [t.id for t in read_tasks(_task_file(tmp_path / "tasks.jsonl", False, ending))] == ["one", "two"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs hybridkv_cli/bench.py read_tasks to read with encoding='utf-8-sig' "
-                                       "(bench.py is being refactored elsewhere); remove this mark with that change")
 @pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
 def test_task_file_saved_by_notepad(tmp_path, ending):
     from hybridkv_cli.bench import read_tasks
