@@ -49,29 +49,34 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-@contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """While the block runs, SIGTERM and SIGHUP raise :class:`Terminated` (the previous handlers
-    come back afterwards: nothing is installed at import)."""
+def _install(handler, signals) -> dict:
+    """Set ``handler`` for ``signals``; the handlers they had (to give back with :func:`_restore`)."""
     previous = {}
-    if _main_thread():
-        for signum in STOP_SIGNALS:
-            if signum == signal.SIGINT:
-                continue  # Python's own handler already raises KeyboardInterrupt
-            try:
-                previous[signum] = signal.signal(signum, _raise)
-            except (ValueError, OSError):  # pragma: no cover - not settable here
-                pass
-    try:
-        yield
-    finally:
-        _restore(previous)
+    for signum in signals:
+        try:
+            previous[signum] = signal.signal(signum, handler)
+        except (ValueError, OSError):  # pragma: no cover - not settable here
+            pass
+    return previous
 
 
 def _restore(previous: dict) -> None:
     for signum, handler in previous.items():
         if handler is not None:  # None: a handler set from C, which Python cannot reinstall
             signal.signal(signum, handler)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise :class:`Terminated` (the previous handlers
+    come back afterwards: nothing is installed at import). SIGINT keeps Python's own handler,
+    which already raises KeyboardInterrupt."""
+    others = [s for s in STOP_SIGNALS if s != signal.SIGINT]
+    previous = _install(_raise, others) if _main_thread() else {}
+    try:
+        yield
+    finally:
+        _restore(previous)
 
 
 def _raise(signum, frame):
@@ -86,12 +91,7 @@ def deferred_signals() -> Iterator[None]:
         yield
         return
     caught: list[int] = []
-    previous = {}
-    try:
-        for signum in STOP_SIGNALS:
-            previous[signum] = signal.signal(signum, lambda s, f: caught.append(s))
-    except (ValueError, OSError):  # pragma: no cover - signals unavailable here
-        pass
+    previous = _install(lambda s, f: caught.append(s), STOP_SIGNALS)
     try:
         yield
     finally:
