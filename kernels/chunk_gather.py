@@ -112,7 +112,7 @@ def chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, wa
     dev = store_k.device
     assign = gather_plan(resident, want, C)
     sel = assign >= 0
-    rows, slots = sel.nonzero(as_tuple=True)  # the one host sync: the CPU must know what to copy
+    rows, slots = sel.nonzero(as_tuple=True)  # the one host sync (on CUDA): the CPU must know what to copy
     m = int(rows.numel())
     if m:
         ids = assign[rows, slots]
@@ -141,15 +141,15 @@ def chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, wa
                 chunk = src.index_select(0, src_idx)
                 store.index_copy_(0, dst, chunk.view(m * c, d).to(device=dev, dtype=store.dtype))
         resident.copy_(torch.where(sel, assign, resident))
-    return m * c * d * 2 * host_k.element_size()
+    return torch.tensor(m * c * d * 2 * host_k.element_size(), device=dev)
 
 
 def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want):
     """Zero-copy Triton path of :func:`chunk_gather` (see ``_chunk_gather_triton.py``).
 
     On CUDA the host tensors must be pinned (read through UVA); under the interpreter every
-    tensor is on the CPU. The only host sync is the final miss count. Raises ``RuntimeError``
-    where Triton cannot run these tensors.
+    tensor is on the CPU. No host sync: the plan and the byte count stay on the device. Raises
+    ``RuntimeError`` where Triton cannot run these tensors.
     """
     resolve_backend("triton", store_k)
     return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want)
@@ -181,7 +181,7 @@ def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want):
         )
     sel = assign >= 0
     resident.copy_(torch.where(sel, assign, resident))
-    return int(sel.sum().item()) * c * d * 2 * host_k.element_size()
+    return sel.sum() * (c * d * 2 * host_k.element_size())  # stays on the device: no sync
 
 
 def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, backend="auto"):
@@ -206,9 +206,10 @@ def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, ba
 
     Returns
     -------
-    int
+    Tensor (0-d, int64, on the store's device)
         Bytes moved host -> device: misses x c x d x 2 x element size. 0 when every wanted
-        chunk is already resident.
+        chunk is already resident. A device tensor, so a caller can add it up over a whole
+        generation and read it once at the end.
     """
     if resolve_backend(backend, store_k, op="chunk_gather") == "triton":
         return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want)

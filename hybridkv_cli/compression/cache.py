@@ -28,6 +28,34 @@ ATTENTION_NAME = "hybridkv"
 CACHE_KWARG = "hybridkv_cache"  # the keyword under which the attention call receives its cache
 
 
+class DeviceClock:
+    """Time spent in spans of work: the host clock on the CPU; on CUDA a pair of events per
+    span (the host clock would time the kernel launches, not the kernels), read once at the end
+    so that timing adds no sync to a decode step."""
+
+    def __init__(self):
+        self._host = 0.0
+        self._events: list = []
+
+    @contextlib.contextmanager
+    def span(self, device: torch.device):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            start = time.perf_counter()
+            yield
+            self._host += time.perf_counter() - start
+
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+        return self._host + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+
+
 class PolicyLayer(CacheLayerMixin):
     """One layer: the full prompt KV until the policy compresses it, then the policy's ``LayerKV``."""
 
@@ -86,7 +114,7 @@ class PolicyCache(Cache):
         self.reports: dict[int, object] = {}  # the policy's report of each compressed layer
         self.prefill_peak_bytes = 0
         self.compress_seconds = 0.0  # classification, allocation, pruning, offload: all of compress()
-        self.attention_seconds = 0.0  # decode attention incl. retrieval (host clock: exact on CPU only)
+        self.attention_clock = DeviceClock()  # decode attention incl. retrieval and refresh
 
     def compress_layer(self, index: int, query, key, value, scale: float) -> None:
         """Replace layer ``index``'s full prompt KV by the policy's compressed form."""
@@ -114,6 +142,11 @@ class PolicyCache(Cache):
         if kwargs is not None:
             kwargs[CACHE_KWARG] = self
         return super().update(key_states, value_states, layer_idx, *args, kwargs=kwargs, **rest)
+
+    @property
+    def attention_seconds(self) -> float:
+        """Decode attention time over the generation (on CUDA read from events, at the end)."""
+        return self.attention_clock.seconds()
 
     def summary(self) -> dict | None:
         """The policy's head report of this generation (read once, at the end)."""
@@ -144,9 +177,8 @@ def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
         return out
     batch, q_heads, q_len, dim = query.shape
     grouped = query[0, :, 0].reshape(key.shape[1], -1, dim)
-    start = time.perf_counter()
-    out = layer.kv.attend(grouped, scaling)
-    cache.attention_seconds += time.perf_counter() - start
+    with cache.attention_clock.span(query.device):
+        out = layer.kv.attend(grouped, scaling)
     return out.reshape(batch, q_len, q_heads, dim), None
 
 

@@ -156,13 +156,15 @@ class Refresher:
     controller: RateController
     branching: bool | None = None
     steps: int = 0
-    transferred: int = 0
 
     def __post_init__(self):
         device = self.resident.device
         if self.branching is None:
             self.branching = device.type == "cpu"
+        # Device counters, read once at the end of the generation.
         self.refreshes = torch.zeros((), dtype=torch.long, device=device)  # triggered layer-steps
+        self.clock = torch.zeros((), dtype=torch.long, device=device)  # decode steps (periodic trigger)
+        self.transferred = torch.zeros((), dtype=torch.long, device=device)  # slot entries moved
         self.key_reads = torch.zeros((), dtype=torch.long, device=device)  # candidate key bytes
 
     @classmethod
@@ -237,9 +239,9 @@ class Refresher:
         return exact[..., :c], approx, held, drift
 
     def _fire(self, drift: torch.Tensor) -> torch.Tensor:
-        if self.options.kind == "periodic":
-            fired = (self.steps - 1) % self.options.period == 0
-            return torch.tensor(fired, device=drift.device)
+        if self.options.kind == "periodic":  # steps 1, 1 + T, ...: the count kept on the device
+            self.clock += 1
+            return (self.clock - 1) % self.options.period == 0
         return self.controller.trigger(drift)
 
     def _candidates(self) -> int:
@@ -264,7 +266,7 @@ class Refresher:
         return tensor_bytes(self.host_k, self.host_v)
 
     def transferred_bytes(self) -> int:
-        return self.transferred + int(self.key_reads)
+        return int(self.transferred + self.key_reads)
 
 
 def refresh_summary(kind: str, rate: float, refreshers: list[Refresher | None]) -> dict | None:

@@ -42,8 +42,10 @@ class DynamicHeads:
     landmarks: object
     slot_base: torch.Tensor
     resident: torch.Tensor
-    transferred: int = 0
     steps: int = 0
+
+    def __post_init__(self):
+        self.transferred = torch.zeros((), dtype=torch.long, device=self.resident.device)  # read at the end
 
     @classmethod
     def offload(
@@ -87,4 +89,4 @@ class DynamicHeads:
         return tensor_bytes(self.host_k, self.host_v)
 
     def transferred_bytes(self) -> int:
-        return self.transferred
+        return int(self.transferred)

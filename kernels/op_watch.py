@@ -1,0 +1,118 @@
+"""Count what one decode step asks of the device: tensor ops, kernel launches, host syncs.
+
+:class:`OpWatch` is a ``TorchDispatchMode``: it sees every aten op the Python code issues, on
+any device (so the CPU test suite can check the CUDA path's bookkeeping), and it counts a
+Triton kernel launch as one op without looking inside it (:func:`watch_kernels` wraps the
+kernels; under the interpreter a kernel's body would otherwise show as many tensor ops).
+
+A *sync* is an op that makes the host wait for the device on CUDA: reading a value
+(``aten._local_scalar_dense``: ``.item()``, ``int()``, ``bool()``) or an op whose output shape
+depends on the data (``nonzero``, ``masked_select``, ``unique``, indexing with a boolean mask).
+``.tolist()`` does not go through the dispatcher, so the watch cannot see it; the code keeps
+it out of decode steps by review.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .dispatch import load_triton_module
+
+#: Ops that read device data on the host or size their output by it.
+SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+            "aten._unique2.default", "aten.unique_dim.default", "aten.unique_consecutive.default"}
+
+#: Ops that launch no device work: views and allocations.
+FREE_OPS = {"aten.select.int", "aten.slice.Tensor", "aten.view.default", "aten._unsafe_view.default",
+            "aten.unsqueeze.default", "aten.squeeze.dim", "aten.expand.default", "aten.t.default",
+            "aten.transpose.int", "aten.permute.default", "aten.as_strided.default", "aten.alias.default",
+            "aten.empty.memory_format", "aten.empty_like.default", "aten.lift_fresh.default",
+            "aten.detach.default", "aten.unbind.int"}
+
+#: Kernel modules and their launchable kernels.
+KERNELS = {
+    "_decode_attention_triton": ("ragged_decode_stage1_kernel", "merge_splits_kernel"),
+    "_chunk_topk_triton": ("chunk_scores_kernel", "topk_select_kernel"),
+    "_chunk_gather_triton": ("chunk_gather_kernel",),
+}
+
+
+class OpWatch(TorchDispatchMode):
+    """Records the aten ops (and kernel launches) issued inside the block.
+
+    Attributes
+    ----------
+    ops : Counter
+        Op name -> calls; launches as ``"launch:<kernel>"``.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+        self._paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._paused:
+            name = str(func)
+            if name == "aten.index.Tensor" and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+                name = "aten.index.Tensor(bool mask)"  # sizes its output by the mask: a sync
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def syncs(self) -> Counter:
+        return Counter({k: v for k, v in self.ops.items() if k in SYNC_OPS or "bool mask" in k})
+
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    def launches(self) -> int:
+        """Ops that run device work (kernel launches and aten ops other than views and
+        allocations): what a step costs in launch latency on a GPU."""
+        return sum(v for k, v in self.ops.items() if k not in FREE_OPS)
+
+
+class _Launcher:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` counts one launch."""
+
+    def __init__(self, kernel, name: str, watch: OpWatch):
+        self.kernel, self.name, self.watch = kernel, name, watch
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.watch.ops[f"launch:{self.name}"] += 1
+            with self.watch.paused():
+                return launch(*args, **kwargs)
+
+        return run
+
+
+@contextlib.contextmanager
+def watch_kernels(watch: OpWatch):
+    """Inside the block, every Triton kernel launch of this package counts as one op of
+    ``watch`` and its body is not watched. The modules are restored on exit."""
+    swapped = []
+    try:
+        for module_name, names in KERNELS.items():
+            module = load_triton_module(module_name)
+            for name in names:
+                swapped.append((module, name, getattr(module, name)))
+                setattr(module, name, _Launcher(getattr(module, name), name, watch))
+        yield watch
+    finally:
+        for module, name, kernel in swapped:
+            setattr(module, name, kernel)
