@@ -37,3 +37,43 @@ def chunk_gather_kernel(
         v = tl.load(HV + h.to(tl.int64) * stride_hvh + cid * stride_hvc
                     + off_t[:, None] * stride_hvt + off_d[None, :], mask=mask)
         tl.store(SV + rows[:, None] * stride_svt + off_d[None, :], v, mask=mask)
+
+
+@triton.jit
+def gather_plan_kernel(
+    RESIDENT, WANT, ASSIGN, MOVED, n, chunk_bytes, stride_rh, stride_wh, stride_ah,
+    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    """Program h: the plan of ``gather_plan`` for head h, written to ASSIGN[h]; RESIDENT[h]
+    updated to what the slots will hold; MOVED += the bytes the gather will copy.
+
+    Slot s is a hit when its chunk is wanted; the free slots, in slot order, take the wanted
+    chunks that are not resident, in want order (rank of a free slot == rank of a missing id).
+    The wanted ids are walked in blocks of BLOCK_J (a [BLOCK_N, BLOCK_J] tile at a time) twice:
+    first to find the hits, then, with the free slots' ranks known, to pair them.
+    """
+    h = tl.program_id(0)
+    slots = tl.arange(0, BLOCK_N)
+    in_n = slots < n
+    res = tl.load(RESIDENT + h * stride_rh + slots, mask=in_n, other=-2)  # -1: empty, -2: padding
+    hit = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for j0 in range(0, n, BLOCK_J):
+        js = j0 + tl.arange(0, BLOCK_J)
+        want = tl.load(WANT + h * stride_wh + js, mask=js < n, other=-3)
+        hit = tl.maximum(hit, tl.max((res[:, None] == want[None, :]).to(tl.int32), axis=1))
+    free = in_n & (hit == 0)
+    rank_free = tl.cumsum(free.to(tl.int32), axis=0) - 1
+    assign = tl.full([BLOCK_N], -1, dtype=tl.int64)
+    missing_before = 0
+    for j0 in range(0, n, BLOCK_J):
+        js = j0 + tl.arange(0, BLOCK_J)
+        want = tl.load(WANT + h * stride_wh + js, mask=js < n, other=-3)
+        present = tl.max((res[:, None] == want[None, :]).to(tl.int32), axis=0)
+        miss = (js < n) & (present == 0)
+        rank_miss = missing_before + tl.cumsum(miss.to(tl.int32), axis=0) - 1
+        pair = free[:, None] & miss[None, :] & (rank_free[:, None] == rank_miss[None, :])
+        assign = tl.maximum(assign, tl.max(tl.where(pair, want[None, :], -1), axis=1))
+        missing_before += tl.sum(miss.to(tl.int32), axis=0)
+    tl.store(ASSIGN + h * stride_ah + slots, assign, mask=in_n)
+    tl.store(RESIDENT + h * stride_rh + slots, tl.where(assign >= 0, assign, res), mask=in_n)
+    tl.atomic_add(MOVED, tl.sum((assign >= 0).to(tl.int64), axis=0) * chunk_bytes)

@@ -15,8 +15,9 @@ A slot whose chunk is in ``want`` is a hit and is not touched. The other ("free"
 slot order, receive the wanted-but-not-resident ids, in ``want`` order. Bytes moved =
 misses x c x d x 2 (K and V) x host element size.
 
-The plan (which slot gets which chunk) is computed on the device with boolean [H, C] masks and
-two stable sorts, without a host sync; see :func:`gather_plan`.
+The plan (which slot gets which chunk) is computed on the device without a host sync: in torch
+with boolean [H, C] masks and two stable sorts (:func:`gather_plan`), in the zero-copy path by
+one kernel (``gather_plan_kernel``) before the copy kernel.
 """
 
 from __future__ import annotations
@@ -169,9 +170,19 @@ def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want):
         raise ValueError("zero-copy chunk_gather needs unit stride along d")
     mod = load_triton_module("_chunk_gather_triton")
     dev = store_k.device
-    assign = gather_plan(resident, want, C).contiguous()
     base = slot_base.to(device=dev, dtype=torch.int64).contiguous()
-    if H and n:
+    moved = torch.zeros((), dtype=torch.int64, device=dev)
+    if H and n:  # two launches: the plan (which slot loads which chunk), then the copies
+        resident_in = resident if resident.is_contiguous() else resident.contiguous()
+        want = want.to(device=dev, dtype=torch.int64).contiguous()
+        assign = torch.empty_like(resident_in)
+        mod.gather_plan_kernel[(H,)](
+            resident_in, want, assign, moved, n, c * d * 2 * host_k.element_size(),
+            resident_in.stride(0), want.stride(0), assign.stride(0),
+            BLOCK_N=next_power_of_2(n), BLOCK_J=min(64, next_power_of_2(n)),
+        )
+        if resident_in is not resident:
+            resident.copy_(resident_in)
         mod.chunk_gather_kernel[(H, n)](
             host_k, host_v, store_k, store_v, base, assign, c, d,
             host_k.stride(0), host_k.stride(1), host_k.stride(2),
@@ -179,9 +190,7 @@ def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want):
             store_k.stride(0), store_v.stride(0), assign.stride(0),
             BLOCK_T=next_power_of_2(c), BLOCK_D=max(16, next_power_of_2(d)), num_warps=4,
         )
-    sel = assign >= 0
-    resident.copy_(torch.where(sel, assign, resident))
-    return sel.sum() * (c * d * 2 * host_k.element_size())  # stays on the device: no sync
+    return moved  # stays on the device: no sync
 
 
 def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, backend="auto"):

@@ -170,6 +170,34 @@ def test_chunk_gather_matches_torch(dtype):
             assert torch.equal(sk[r:r + c].cpu(), host_k[i, int(res[i, s])])
 
 
+@pytest.mark.parametrize("n", [1, 64, 150])
+def test_fused_gather_plan_pairs_slots_like_the_torch_plan(n):
+    """The zero-copy path plans on the device in one kernel (walking the wanted ids in blocks of
+    64): same slot contents, same bytes as the torch plan, with hits, misses and empty slots."""
+    H, C, c, d = 3, 400, 2, 16
+    g = torch.Generator().manual_seed(n)
+    host_k, host_v = torch.randn(H, C, c, d, generator=g), torch.randn(H, C, c, d, generator=g)
+    if DEV.type == "cuda":
+        host_k, host_v = host_k.pin_memory(), host_v.pin_memory()
+    slot_base = torch.tensor([0, n * c, 2 * n * c], device=DEV)
+    per_chunk = c * d * 2 * host_k.element_size()
+    first = torch.stack([torch.randperm(C, generator=g)[:n] for _ in range(H)])
+    start = first.clone()
+    start[1, : n // 3] = -1  # head 1 starts with some empty slots
+    keep = torch.randperm(n, generator=g)[: n // 2]  # half of the chunks stay wanted, in a new order
+    then = torch.cat([first[:, keep], torch.arange(C - (n - len(keep)), C).expand(H, -1)], 1)
+    then = then[:, torch.randperm(n, generator=g)]
+    results = {}
+    for backend in ("torch", "triton"):
+        sk, sv = torch.zeros(3 * n * c, d, device=DEV), torch.zeros(3 * n * c, d, device=DEV)
+        res = start.clone().to(DEV)
+        moved = [int(hk.chunk_gather(host_k, host_v, sk, sv, slot_base, res, w.to(DEV), backend=backend))
+                 for w in (first, then)]
+        results[backend] = (res.cpu(), sk.cpu(), sv.cpu(), moved)
+    assert all(torch.equal(a, b) for a, b in zip(results["torch"][:3], results["triton"][:3]))
+    assert results["torch"][3] == results["triton"][3] and results["triton"][3][1] % per_chunk == 0
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
