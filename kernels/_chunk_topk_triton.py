@@ -3,10 +3,10 @@
 Loaded by :func:`hybridkv_kernels.dispatch.load_triton_module`; launcher and torch reference
 are in ``chunk_topk.py``.
 
-Selection without sorting: map each fp32 score to an int32 key with the same order, find by
-bisection (32 passes over the head's scores, which stay in L2) the largest threshold T with
-``count(key >= T) >= k``; take every chunk with key > T and the lowest-id chunks with key == T
-until k are taken; write the ids compacted in id order (a cumsum), i.e. already sorted.
+Selection without sorting: map each fp32 score to an int32 key with the same order, find the
+k-th largest key T by a radix select (4 bits a pass: 8 passes over the head's scores, which stay
+in L2, each a 16-bucket count); take every chunk with key > T and the lowest-id chunks with key
+== T until k are taken; write the ids compacted in id order (a cumsum), i.e. already sorted.
 This handles thousands of chunks per head in one program with O(BLOCK) registers, and makes
 ties deterministic (lowest id wins), the same rule as the torch reference.
 """
@@ -57,6 +57,31 @@ def _order_key(s):
 
 
 @triton.jit
+def _radix_threshold(base, C, K, BLOCK: tl.constexpr):
+    """(T, need): T = the K-th largest order key of base[:C]; need = how many keys equal to T
+    belong to the top K (the others above T are all in)."""
+    offs = tl.arange(0, BLOCK)
+    buckets = tl.arange(0, 16)
+    prefix = tl.full([], 0, tl.int64)  # T's bits found so far, in unsigned order
+    need = K
+    for p in range(8):
+        shift = 28 - 4 * p
+        high = (tl.full([], 0xFFFFFFFF, tl.int64) << (shift + 4)) & 0xFFFFFFFF  # the bits found
+        hist = tl.zeros([16], dtype=tl.int32)
+        for c0 in range(0, C, BLOCK):
+            mask = (c0 + offs) < C
+            u = _order_key(tl.load(base + c0 + offs, mask=mask, other=0.0)).to(tl.int64) + 2147483648
+            digit = (u >> shift) & 15
+            live = mask & ((u & high) == prefix)
+            hist += tl.sum((live[:, None] & (digit[:, None] == buckets[None, :])).to(tl.int32), 0)
+        above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # keys in higher buckets than each bucket
+        bucket = 16 - tl.sum((above < need).to(tl.int32), 0)  # highest b with count(>= b) >= need
+        need -= tl.sum(tl.where(buckets > bucket, hist, 0), 0)
+        prefix = prefix | (bucket.to(tl.int64) << shift)
+    return (prefix - 2147483648).to(tl.int32), need
+
+
+@triton.jit
 def topk_select_kernel(
     SCORES, OUT, C, K,
     stride_sh, stride_oh,
@@ -67,27 +92,10 @@ def topk_select_kernel(
     base = SCORES + h * stride_sh
     offs = tl.arange(0, BLOCK)
 
-    # largest T with count(key >= T) >= K; invariant: the answer lies in [lo, hi]
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):
-        mid = lo + (hi - lo + 1) // 2
-        cnt = tl.full([], 0, tl.int32)
-        for c0 in range(0, C, BLOCK):
-            mask = (c0 + offs) < C
-            key = _order_key(tl.load(base + c0 + offs, mask=mask, other=0.0))
-            cnt += tl.sum(((key >= mid) & mask).to(tl.int32), 0)
-        ok = cnt >= K
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-
-    # count strictly above the threshold, then how many ties (key == lo) to take
-    n_gt = tl.full([], 0, tl.int32)
-    for c0 in range(0, C, BLOCK):
-        mask = (c0 + offs) < C
-        key = _order_key(tl.load(base + c0 + offs, mask=mask, other=0.0))
-        n_gt += tl.sum(((key > lo) & mask).to(tl.int32), 0)
-    need = K - n_gt
+    # Radix select of the threshold T = the K-th largest key, 4 bits a pass from the top: each
+    # pass counts, among keys whose higher bits equal T's so far, how many fall in each of 16
+    # buckets, and descends into the bucket that holds the K-th. 8 passes over the scores.
+    lo, need = _radix_threshold(base, C, K, BLOCK)
 
     # compaction in id order: the output is sorted ascending for free
     n_out = tl.full([], 0, tl.int32)
