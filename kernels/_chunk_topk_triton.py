@@ -1,4 +1,4 @@
-"""Triton kernels of ``chunk_topk``: chunk scores, then an exact top-k by bisection.
+"""Triton kernels of ``chunk_topk``: chunk scores, then an exact top-k by radix select.
 
 Loaded by :func:`hybridkv_kernels.dispatch.load_triton_module`; launcher and torch reference
 are in ``chunk_topk.py``.
