@@ -10,7 +10,8 @@ written to lossless PNGs first, so the CLI can be given the very same files.
 
 Per sample, the record's ``kv`` (device / host bytes), ``decode`` (ms/token) and ``heads`` are
 kept in :attr:`HybridKV.samples`, logged, and appended to the JSONL file ``kv_log`` when given;
-lmms-eval's own sample log gets the input / output token counts.
+lmms-eval's own sample log gets the input / output token counts. ``loglikelihood`` scores a
+continuation through the compressed cache (:meth:`HybridKV.score`).
 
 lmms-eval finds the class through the entry point ``lmms_eval.models`` -> :func:`manifest`
 (pyproject.toml). Importing this module needs lmms-eval (``pip install 'hybridkv[eval]'``).
@@ -23,6 +24,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
 from lmms_eval.api.instance import GenerationResult, Instance, TokenCounts
 from lmms_eval.api.model import lmms
 from lmms_eval.api.registry import register_model
@@ -30,8 +32,10 @@ from loguru import logger as eval_logger
 from PIL import Image
 
 from hybridkv_cli.errors import UsageError
+from hybridkv_cli.library import compress
 from hybridkv_cli.models import DEFAULT_MODEL
-from hybridkv_cli.session import AskOptions, Session
+from hybridkv_cli.prompt import question_ids
+from hybridkv_cli.session import AskOptions, Prepared, Session
 
 __all__ = ["HybridKV", "manifest", "sample_entry"]
 
@@ -117,8 +121,16 @@ class HybridKV(lmms):
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), answer)
         return results
 
-    def loglikelihood(self, requests):
-        raise NotImplementedError("hybridkv answers generation tasks (generate_until); loglikelihood is not implemented")
+    def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
+        """Per request, the log-probability of its continuation after the prompt, and whether
+        greedy decoding would produce it (see :meth:`score`)."""
+        results = []
+        for request in requests:
+            context, continuation, doc_to_visual, doc_id, task, split = request.args
+            visuals = doc_to_visual(self.task_dict[task][split][doc_id]) if doc_to_visual else None
+            results.append(self.score(context, continuation, visuals))
+            self.cache_hook.add_partial("loglikelihood", (context, continuation), results[-1])
+        return results
 
     def generate_until_multi_round(self, requests):
         raise NotImplementedError("hybridkv answers one question per sample (generate_until); multi-round is not implemented")
@@ -127,13 +139,37 @@ class HybridKV(lmms):
     def answer(self, question: str, visuals, *, max_new_tokens: int | None = None) -> dict:
         """The CLI record for ``question`` about ``visuals`` (lmms-eval's ``doc_to_visual`` output:
         PIL images and/or file paths; none: a text prompt)."""
+        return self.session.run(self.prepare(question, visuals), self.session.policy,
+                                max_new_tokens=int(max_new_tokens) if max_new_tokens else None)
+
+    def prepare(self, question: str, visuals) -> Prepared:
+        """The CLI's prompt for ``question`` about ``visuals`` (none: a text prompt)."""
         question = question.replace("<image>", "").strip()  # lmms-eval's image placeholder; we place media ourselves
         with tempfile.TemporaryDirectory(prefix="hybridkv-lmms-") as folder:
             paths = media_paths(visuals or [], Path(folder))
-            media = self.session.load_media(paths) if paths else None
-            prepared = self.session.prepare(media, question, context=None if media else "")
-            return self.session.run(prepared, self.session.policy,
-                                    max_new_tokens=int(max_new_tokens) if max_new_tokens else None)
+            media = self.session.load_media(paths) if paths else None  # decoded here: the files may go
+            return self.session.prepare(media, question, context=None if media else "")
+
+    def score(self, question: str, continuation: str, visuals) -> tuple[float, bool]:
+        """Log-probability of ``continuation`` (plain text) after the prompt for ``question`` about
+        ``visuals``, and whether it is the greedy continuation. The prompt is prefilled and
+        compressed by the method; the continuation is then read through the compressed cache one
+        token per step, as generated tokens would be."""
+        prompt = self.prepare(question, visuals).prompt
+        model, ids = self.loaded.model, question_ids(self.loaded.tokenizer, continuation)
+        inputs = {k: v.to(model.device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
+        total, greedy = 0.0, True
+        with torch.inference_mode(), compress(model, self.session.policy, roles=prompt.visual) as run:
+            cache = run.new_cache(inputs["input_ids"])
+            logits = model(**inputs, cache=cache, use_cache=True).logits[0, -1]
+            for i, token in enumerate(ids):
+                logp = logits.float().log_softmax(-1)
+                total += float(logp[token])
+                greedy = greedy and int(logp.argmax()) == token
+                if i + 1 < len(ids):  # the last token's own logits are not needed
+                    step = torch.tensor([[token]], device=model.device)
+                    logits = model(input_ids=step, cache=cache, use_cache=True).logits[0, -1]
+        return total, greedy
 
     def _log(self, entry: dict) -> None:
         self.samples.append(entry)

@@ -121,3 +121,47 @@ def test_stop_strings_cut_the_answer(tmp_path, docs):
     assert cut == full.split(full[2:4])[0]
     assert stop_at("a. b", ".") == "a" and stop_at("a. b", ["", "b"]) == "a. " and stop_at("ab", None) == "ab"
 
+
+
+def loglikelihood_request(index: int, continuation: str) -> Instance:
+    return Instance(request_type="loglikelihood", idx=0,
+                    arguments=(QUESTION, continuation, lambda doc: doc["images"], index, "toy", "test"),
+                    metadata={"task": "toy", "doc_id": index, "repeats": 1})
+
+
+def reference_loglikelihood(model: HybridKV, index: int, continuation: str, docs) -> float:
+    """Stock transformers: one forward over prompt + continuation, no cache of ours."""
+    import torch
+
+    from hybridkv_cli.prompt import question_ids
+
+    inputs = dict(model.prepare(QUESTION, docs[index]["images"]).prompt.inputs)
+    ids = question_ids(model.loaded.tokenizer, continuation)
+    n = inputs["input_ids"].shape[1]
+    for key, value in list(inputs.items()):  # the per-token tensors go on with the continuation
+        if torch.is_tensor(value) and value.shape == (1, n) and not value.is_floating_point():
+            tail = torch.tensor([ids]) if key == "input_ids" else torch.full((1, len(ids)), int(key == "attention_mask"))
+            inputs[key] = torch.cat([value, tail.to(value.dtype)], dim=1)
+    with torch.inference_mode():
+        logp = model.loaded.model(**inputs).logits[0].float().log_softmax(-1)
+    return sum(float(logp[n - 1 + i, token]) for i, token in enumerate(ids))
+
+
+def test_loglikelihood_through_the_compressed_cache(tmp_path, docs):
+    full = HybridKV.create_from_arg_string("pretrained=demo,method=full,device=cpu,frames=8")
+    one = HybridKV.create_from_arg_string("pretrained=demo,method=snapkv,budget=1.0,device=cpu,frames=8")
+    low = make_model("demo", docs, tmp_path / "kv.jsonl")
+    for model in (full, one):
+        model.task_dict = {"toy": {"test": docs}}
+    requests = [loglikelihood_request(0, " a red box"), loglikelihood_request(1, " nothing at all")]
+    scores = full.loglikelihood(requests)
+    for (score, _), index, continuation in zip(scores, (0, 1), (" a red box", " nothing at all")):
+        assert score == pytest.approx(reference_loglikelihood(full, index, continuation, docs), abs=1e-3)
+    at_one = one.loglikelihood(requests)  # b = 1: nothing evicted
+    assert [s for s, _ in at_one] == pytest.approx([s for s, _ in scores], abs=1e-4)
+    assert [g for _, g in at_one] == [g for _, g in scores]
+    assert all(s < 0 for s, _ in low.loglikelihood(requests))
+    # The greedy answer's own tokens are greedy; the same text scored after a wrong prefix is not.
+    answer = full.generate_until([request(0)])[0].text
+    assert answer and full.loglikelihood([loglikelihood_request(0, answer)])[0][1] is True
+    assert full.loglikelihood([loglikelihood_request(0, "zzz " + answer)])[0][1] is False
