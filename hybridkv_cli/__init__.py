@@ -8,7 +8,8 @@ the CLI's ``--help`` and error paths do not pay for torch and transformers.
 
 __all__ = ["ask", "compress", "load_media", "load_model"]
 
-_HOMES = {"ask": "hybridkv_cli.api", "compress": "hybridkv_cli.library", "load_media": "hybridkv_cli.media", "load_model": "hybridkv_cli.models"}
+_HOMES = {"ask": "hybridkv_cli.api", "compress": "hybridkv_cli.library", "load_media": "hybridkv_cli.media",
+          "load_model": "hybridkv_cli.models"}
 
 
 def __getattr__(name):

@@ -84,8 +84,9 @@ class CompressionRun:
         run, roles = self.generations[index], self._prompts[index]
         if not run.tokens and not run.step_s:  # a loop of one's own: tokens are what the cache saw past the prompt
             run = _own_loop(run, roles.numel())
-        loaded = LoadedModel(model=self.model, processor=None, name=str(self.model.config.name_or_path or type(self.model).__name__),
-                             device=self.model.device, dtype=self.model.dtype)
+        name = str(self.model.config.name_or_path or type(self.model).__name__)
+        loaded = LoadedModel(model=self.model, processor=None, name=name, device=self.model.device,
+                             dtype=self.model.dtype)
         visual = int(roles.sum())
         return {
             "input": {"visual_tokens": visual, "text_tokens": roles.numel() - visual},

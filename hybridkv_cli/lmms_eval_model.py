@@ -133,7 +133,8 @@ class HybridKV(lmms):
         return results
 
     def generate_until_multi_round(self, requests):
-        raise NotImplementedError("hybridkv answers one question per sample (generate_until); multi-round is not implemented")
+        raise NotImplementedError("hybridkv answers one question per sample (generate_until); "
+                                  "multi-round generation is not implemented")
 
     # --- one request ---------------------------------------------------------------------------
     def answer(self, question: str, visuals, *, max_new_tokens: int | None = None) -> dict:

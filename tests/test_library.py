@@ -155,7 +155,8 @@ def test_report_has_the_cli_record_fields_and_numbers(demo, tmp_path):
     assert demo.tokenizer.decode(tokens, skip_special_tokens=True).strip() == record["answer"]
     for field in ("method", "budget", "kv", "traffic", "heads"):
         assert report[field] == record[field], field
-    assert report["decode"].keys() == record["decode"].keys() and report["decode"]["tokens"] == record["decode"]["tokens"]
+    assert report["decode"].keys() == record["decode"].keys()
+    assert report["decode"]["tokens"] == record["decode"]["tokens"]
     assert report["input"] == {"visual_tokens": prompt.visual_tokens, "text_tokens": prompt.text_tokens}
 
 

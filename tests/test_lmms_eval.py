@@ -106,7 +106,8 @@ def test_generate_until_answers_as_the_cli_and_logs_kv(tmp_path, docs, capsys, n
     assert [s["doc_id"] for s in model.samples] == [0, 1, 2] == [s["doc_id"] for s in lines]
     for sample, result in zip(model.samples, results):
         assert sample["method"] == "snapkv" and sample["kv"]["device_bytes"] > 0
-        assert sample["kv"]["host_bytes"] == 0 and sample["kv"]["full_bytes"] > sample["kv"]["device_bytes_after_prefill"]
+        kv = sample["kv"]
+        assert kv["host_bytes"] == 0 and kv["full_bytes"] > kv["device_bytes_after_prefill"]
         assert sample["decode"]["tokens"] == result.token_counts.output_tokens <= NEW_TOKENS
         assert result.token_counts.input_tokens > 0
     assert all(s["decode"]["ms_per_token_mean"] > 0 for s in model.samples if s["decode"]["tokens"] > 1)
@@ -140,7 +141,8 @@ def reference_loglikelihood(model: HybridKV, index: int, continuation: str, docs
     n = inputs["input_ids"].shape[1]
     for key, value in list(inputs.items()):  # the per-token tensors go on with the continuation
         if torch.is_tensor(value) and value.shape == (1, n) and not value.is_floating_point():
-            tail = torch.tensor([ids]) if key == "input_ids" else torch.full((1, len(ids)), int(key == "attention_mask"))
+            fill = int(key == "attention_mask")  # token types: 0, text
+            tail = torch.tensor([ids]) if key == "input_ids" else torch.full((1, len(ids)), fill)
             inputs[key] = torch.cat([value, tail.to(value.dtype)], dim=1)
     with torch.inference_mode():
         logp = model.loaded.model(**inputs).logits[0].float().log_softmax(-1)
