@@ -106,7 +106,7 @@ class CompressionRun:
     def _generate(self, stock, *args, **kwargs):
         """``stock(*args, **kwargs)`` (the model's own ``generate``) with a fresh compressed cache,
         every token timed (the caller's streamer, if any, still gets every token)."""
-        if any(kwargs.get(name) is not None for name in _CACHE_NAMES):
+        if any(kwargs.pop(name, None) is not None for name in _CACHE_NAMES):
             raise UsageError("inside compress() the cache is hybridkv's: do not pass one to generate", "cache")
         for name in ("num_beams", "num_return_sequences"):
             if (kwargs.get(name) or 1) > 1:

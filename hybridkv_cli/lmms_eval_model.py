@@ -180,7 +180,12 @@ class HybridKV(lmms):
         if self.kv_log is not None:
             self.kv_log.parent.mkdir(parents=True, exist_ok=True)
             with self.kv_log.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(entry, default=str) + "\n")
+                f.write(json.dumps(entry, default=_plain) + "\n")
+
+
+def _plain(value):
+    """JSON for what a head report may hold besides plain values (device counters as tensors)."""
+    return value.tolist() if torch.is_tensor(value) else str(value)
 
 
 def media_paths(visuals, folder: Path) -> list[str]:

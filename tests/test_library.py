@@ -196,6 +196,8 @@ def test_refusals(cases):
             model.generate(**inputs, num_beams=2, max_new_tokens=2)
         with pytest.raises(UsageError, match="nothing was generated"):
             run.report()
+        model.generate(**inputs, past_key_values=None, max_new_tokens=2)  # an empty cache argument is fine
+        assert run.report()["decode"]["tokens"] == 2
     with pytest.raises(UsageError, match="roles has 3 entries"):
         compressed(model, inputs, "snapkv", roles=[True, False, True])
     assert "generate" not in vars(model)
