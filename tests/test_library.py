@@ -1,7 +1,7 @@
 """``hybridkv_cli.compress``: compression around the caller's own ``model.generate``.
 
 Inputs are built the way a user builds them (the processor called directly), on the demo
-Qwen2.5-VL (an image set and a video) and a tiny Llama decoder (a text prompt). At b = 1 every
+Qwen2.5-VL (an image set and a video) and tiny Llama and Qwen2 decoders (a text prompt). At b = 1 every
 method gives exactly the tokens of the same stock ``generate`` call; the report carries the CLI
 record's fields and, for the same prompt, the same KV numbers; the model is restored on exit,
 also after an exception; the documented example runs as written.
@@ -35,7 +35,8 @@ from media_fixtures import make_noise_video  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = sorted(METHODS)
-KINDS = ["images", "video", "llama"]
+KINDS = ["images", "video", "llama", "qwen2"]
+TEXT_KINDS = {"llama", "qwen2"}
 NEW_TOKENS = 6
 QUESTION = "What happens?"
 CONTEXT = " ".join(f"Line {i}: the {c} box is on shelf {i % 7}." for i, c in
@@ -53,16 +54,16 @@ def demo():
     return build_demo()
 
 
-@pytest.fixture(scope="module")
-def llama(demo):
-    """A random Llama decoder (GQA 4 query / 2 KV heads) speaking the demo tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def text_model(kind: str, tokenizer):
+    """A random Llama / Qwen2 decoder (GQA 4 query / 2 KV heads) speaking the demo tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, vocab_size=len(demo.tokenizer), attn_implementation="sdpa")
+    model_class, config_class = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[kind]
+    config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, vocab_size=len(tokenizer), attn_implementation="sdpa")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return LlamaForCausalLM(config).eval()
+        return model_class(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def user_inputs(processor, content: list[dict], **media) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cases(demo, llama):
+def cases(demo):
     """kind -> (model, inputs, stock tokens)."""
     images = [_blocky(0, 224, 168), _blocky(1, 168, 224)]
     # A video as frames in memory ((T, 3, H, W) uint8), as a user's own decoder hands them over.
@@ -86,9 +87,9 @@ def cases(demo, llama):
     inputs = {
         "images": user_inputs(demo.processor, [{"type": "image"}] * 2, images=images),
         "video": user_inputs(demo.processor, [{"type": "video"}], videos=[frames]),
-        "llama": dict(demo.tokenizer(CONTEXT + "\n\n" + QUESTION, return_tensors="pt")),
+        **{kind: dict(demo.tokenizer(CONTEXT + "\n\n" + QUESTION, return_tensors="pt")) for kind in TEXT_KINDS},
     }
-    models = {"images": demo.model, "video": demo.model, "llama": llama}
+    models = {"images": demo.model, "video": demo.model, **{k: text_model(k, demo.tokenizer) for k in TEXT_KINDS}}
     out = {}
     for kind in KINDS:
         with torch.inference_mode():
@@ -106,7 +107,7 @@ def compressed(model, inputs, method, **kwargs):
 def test_fixture_inputs_are_mixed_and_answers_varied(cases):
     for kind, (model, inputs, stock) in cases.items():
         roles = roles_from_ids(inputs["input_ids"], model.config)
-        assert 0 < int(roles.sum()) < roles.numel() or kind == "llama"
+        assert 0 < int(roles.sum()) < roles.numel() or (kind in TEXT_KINDS and bool(roles.all()))
         assert len(stock) == NEW_TOKENS and len(set(stock)) > 1  # a repeated id would prove little
 
 
