@@ -58,7 +58,8 @@ def text_model(kind: str, tokenizer):
     """A random Llama / Qwen2 decoder (GQA 4 query / 2 KV heads) speaking the demo tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    model_class, config_class = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[kind]
+    classes = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}
+    model_class, config_class = classes[kind]
     config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=32, vocab_size=len(tokenizer), attn_implementation="sdpa")
     with torch.random.fork_rng(devices=[]):
