@@ -53,23 +53,18 @@ def input_record(media: MediaInput | None, prompt: Prompt) -> dict:
     return record
 
 
-def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, question: str, policy: Policy,
-                run: Generation, defer_question: bool) -> dict:
-    """The record of ``run``, the answer to ``question`` about ``media`` (None: a text prompt)."""
+def measurements(loaded: LoadedModel, policy: Policy, run: Generation, compressed: int) -> dict:
+    """The measured fields of a record: ``prefill_s``, ``decode``, ``kv``, ``traffic``, ``heads``.
+
+    ``compressed`` is how many prompt tokens the policy compressed (the budget's base). Shared by
+    the CLI record and :meth:`hybridkv_cli.library.CompressionRun.report`.
+    """
     per_token = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * loaded.dtype.itemsize
     full_bytes = per_token * run.cache.get_seq_length()
-    # What the policy compressed: the prompt, or with a deferred question the part before it.
-    compressed = prompt.length - (question_length(prompt) if defer_question else 0)
     budget_bytes = policy.budget * per_token * compressed
     device_bytes = run.cache.device_bytes()
     steps = len(run.step_s)
     return {
-        "input": input_record(media, prompt),
-        "question": question,
-        "answer": loaded.tokenizer.decode(run.tokens, skip_special_tokens=True).strip(),
-        "method": policy.name,
-        "budget": policy.budget,
-        "defer_question": defer_question,
         "prefill_s": run.prefill_s,
         "decode": {"tokens": len(run.tokens), **latency_stats(run.step_s)},
         "kv": {
@@ -78,7 +73,7 @@ def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, q
             "host_bytes": run.cache.host_bytes(),
             "full_bytes": full_bytes,
             "ratio_vs_full": device_bytes / full_bytes if full_bytes else None,
-            "prompt_ratio": run.device_bytes_after_prefill / (per_token * compressed),
+            "prompt_ratio": run.device_bytes_after_prefill / (per_token * compressed) if compressed else None,
             "over_budget_bytes": max(0, round(run.device_bytes_after_prefill - budget_bytes)),
             "prefill_peak_bytes": run.cache.prefill_peak_bytes,
             "cuda_peak_bytes": run.cuda_peak_bytes,
@@ -89,6 +84,22 @@ def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, q
             if run.cache.host_bytes() else None
         ),
         "heads": run.cache.summary(),
+    }
+
+
+def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, question: str, policy: Policy,
+                run: Generation, defer_question: bool) -> dict:
+    """The record of ``run``, the answer to ``question`` about ``media`` (None: a text prompt)."""
+    # What the policy compressed: the prompt, or with a deferred question the part before it.
+    compressed = prompt.length - (question_length(prompt) if defer_question else 0)
+    return {
+        "input": input_record(media, prompt),
+        "question": question,
+        "answer": loaded.tokenizer.decode(run.tokens, skip_special_tokens=True).strip(),
+        "method": policy.name,
+        "budget": policy.budget,
+        "defer_question": defer_question,
+        **measurements(loaded, policy, run, compressed),
         "model": loaded.name,
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
