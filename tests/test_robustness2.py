@@ -113,7 +113,7 @@ def procs(tmp_path_factory):
                                          cwd=d, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
                         None)
     stopped = {}
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 900  # generous: on a loaded machine four processes start slowly
     while len(stopped) < 2 and time.monotonic() < deadline:  # signal each run once 3 lines are in its file
         for name in ("SIGTERM", "SIGHUP"):
             p, out = runs[name]
