@@ -77,7 +77,10 @@ def render(result: dict, console: Console) -> None:
             + " ".join(f"{s}/{d}" for s, d in zip(heads["per_layer"]["static"], heads["per_layer"]["dynamic"])),
         )
     refresh = (heads or {}).get("refresh")
-    if refresh:
+    if refresh and not refresh["refreshed_heads"]:
+        table.add_row("refresh", f"{refresh['kind']}: no pruned heads to refresh (every head is dynamic)"
+                      if heads.get("static") == 0 else f"{refresh['kind']}: no head had entries to refresh")
+    elif refresh:
         rate = "-" if refresh["refresh_rate"] is None else f"{refresh['refresh_rate']:.0%}"
         target = f" (target {refresh['target_rate']:.0%})" if refresh["target_rate"] is not None else ""
         table.add_row("refresh", f"{refresh['kind']}: {refresh['refreshed_heads']} heads, {rate} of layer-steps"
