@@ -40,7 +40,8 @@ TOPK = typer.Option(None, help="HybridKV p: the sparsity score is the attention 
                     "[default: 0.05].")
 SHARE = typer.Option(None, help="HybridKV r: a dynamic head's budget as a share of the average head budget "
                      "[default: 0.75].")
-CHUNK = typer.Option(None, min=1, help="HybridKV: tokens per retrieval chunk [default: 16].")
+CHUNK = typer.Option(None, min=1, help="HybridKV: tokens per retrieval chunk [default: 16, or 8 where a dynamic "
+                     "head holds fewer than two chunks of 16].")
 SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: score heads without the first 4 "
                           "tokens (attention sinks) [default: the method's].")
 LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: mean | minmax | detector "
