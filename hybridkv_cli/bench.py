@@ -44,11 +44,12 @@ class Task:
 # --- the command line's lists ---------------------------------------------------------------------
 def parse_methods(text: str | None) -> list[str]:
     """Comma-separated method names, in order, without duplicates and without ``full`` (always
-    run); None: every registered method except ``full``, HybridKV first."""
+    run); None: every registered method except ``full`` and ``route`` (which needs a route
+    file), HybridKV first."""
     from hybridkv_cli.compression import METHODS
 
     if text is None:
-        return sorted((m for m in METHODS if m != REFERENCE), key=lambda m: (m != "hybridkv", m))
+        return sorted((m for m in METHODS if m not in (REFERENCE, "route")), key=lambda m: (m != "hybridkv", m))
     names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     if not names:
         raise UsageError("give at least one method", "--methods")

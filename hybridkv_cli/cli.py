@@ -55,6 +55,8 @@ REFRESH_SLOTS = typer.Option(None, min=1, help="refresh: most entries per head t
                              "rest keep the prefill's best [default: 256].")
 SINKS = typer.Option(None, min=0, help="streamingllm: attention-sink tokens kept at the start [default: 4].")
 PAGE_SIZE = typer.Option(None, min=1, help="quest: tokens per page [default: 8].")
+ROUTE = typer.Option(None, metavar="FILE", help="route: the method of each layer, a JSON route file (`hybridkv "
+                     "route` builds one) or a pattern like hybridkv,snapkv repeated over the layers.")
 HEAD_SCORES = typer.Option(None, metavar="FILE", help='sparsemm: JSON {"scores": [[per KV head] per layer]} '
                            "(offline head scores) instead of scores computed from the prompt.")
 FRAMES = typer.Option(64, help="Frames sampled uniformly from a video.")
@@ -122,7 +124,8 @@ def ask(
     refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
     refresh_slots: Optional[int] = REFRESH_SLOTS,
     sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
-    head_scores: Optional[str] = HEAD_SCORES, frames: int = FRAMES, fps: Optional[float] = FPS,
+    head_scores: Optional[str] = HEAD_SCORES, route: Optional[str] = ROUTE, frames: int = FRAMES,
+    fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(128, min=1, help="Greedy decoding length limit."),
     defer_question: bool = DEFER, device: str = DEVICE, dtype: str = DTYPE, as_json: bool = JSON,
@@ -146,7 +149,7 @@ def ask(
         method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
                             chunk_size=chunk_size, sink_aware=sink_aware, landmark=landmark, refresh=refresh,
                             refresh_rate=refresh_rate, refresh_period=refresh_period, refresh_slots=refresh_slots,
-                            sinks=sinks, page_size=page_size, head_scores=head_scores),
+                            sinks=sinks, page_size=page_size, head_scores=head_scores, route=route),
     )
     session = Session(options, stage=status(quiet))  # refuses a bad method or option before any input is read
     batch = each or "-" in paths or jsonl or output is not None
@@ -258,13 +261,13 @@ def bench(
     answer: Optional[list[str]] = typer.Option(None, metavar="TEXT",
                                                help="Expected answer of MEDIA... QUESTION (repeat: any counts)."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: every one but full, "
-                                          "which always runs)."),
+                                          "which always runs, and route, which needs --route)."),
     budgets: str = typer.Option("0.05,0.1,0.2", help="Comma-separated budgets."),
     model: str = MODEL, window: Optional[int] = WINDOW, theta: Optional[float] = THETA,
     sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
     refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
-    refresh_slots: Optional[int] = REFRESH_SLOTS,
+    refresh_slots: Optional[int] = REFRESH_SLOTS, route: Optional[str] = ROUTE,
     frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per run (greedy)."),
@@ -283,7 +286,7 @@ def bench(
     names, sweep = parse_methods(methods), parse_budgets(budgets)
     options = dict(window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
                    sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
-                   refresh_period=refresh_period, refresh_slots=refresh_slots)
+                   refresh_period=refresh_period, refresh_slots=refresh_slots, route=route)
     method_options(names, options)  # refuses what no method takes before anything loads
     if tasks is not None:
         if args or answer:
@@ -304,6 +307,43 @@ def bench(
     else:
         render_bench(result, Console())
     return 1 if any(row["errors"] for row in result["aggregates"]) else 0
+
+
+@app.command()
+def route(
+    tasks: Path = typer.Option(..., "--tasks", metavar="DEV.jsonl", help="Dev tasks (bench's format) to profile on."),
+    output: Path = typer.Option(..., "--output", "-o", metavar="ROUTE.json", help="The route file to write; the "
+                                "profile goes beside it (ROUTE.profile.json)."),
+    model: str = MODEL, budget: float = typer.Option(0.1, help="The budget the route is built for."),
+    methods: str = typer.Option("hybridkv,snapkv,rcr,streamingllm", help="Candidate methods, in order of "
+                                "preference on ties."),
+    frames: int = FRAMES, fps: Optional[float] = FPS, max_pixels: Optional[int] = MAX_PIXELS,
+    max_new_tokens: int = typer.Option(16, min=1, help="Tokens generated per profile run."),
+    defer_question: bool = DEFER, device: str = DEVICE, dtype: str = DTYPE, quiet: bool = QUIET, debug: bool = DEBUG,
+):
+    """Build a route for `--method route`: per layer, the method that loses least when only that
+    layer is compressed (layers x methods x tasks generations)."""
+    from hybridkv_cli.bench import parse_methods, read_tasks
+    from hybridkv_cli.compression import make_policy
+    from hybridkv_cli.routing import build_route
+    from hybridkv_cli.session import AskOptions, Session
+
+    _state["debug"] = debug
+    candidates = [m for m in parse_methods(methods) if m != "route"]
+    for name in candidates:
+        make_policy(name, budget=budget)  # refuses a bad budget or method before the model loads
+    inputs = read_tasks(tasks)
+    session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
+                                 max_pixels=max_pixels, max_new_tokens=max_new_tokens,
+                                 defer_question=defer_question), stage=status(quiet))
+    with (nullcontext() if quiet else err.status("profiling layers ...")) as spinner:
+        built, profile = build_route(session, inputs, candidates, budget,
+                                     on_run=lambda label: spinner and spinner.update(f"profiling: {label} ..."))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(built, indent=1))
+    beside = output.with_suffix(".profile.json")
+    beside.write_text(json.dumps(profile, indent=1))
+    err.print(f"wrote {output} and {beside}: {', '.join(built['layers'])}", highlight=False, soft_wrap=True)
 
 
 @app.command()

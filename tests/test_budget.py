@@ -13,9 +13,10 @@ import torch
 
 from hybridkv_cli.compression import METHODS, make_policy
 from hybridkv_cli.compression.base import PrefillLayer
+from method_options import needed
 
 FULL_BY_DESIGN = {"full", "quest"}
-VARIANTS = [(name, {}) for name in sorted(set(METHODS) - FULL_BY_DESIGN)] + [
+VARIANTS = [(name, needed(name)) for name in sorted(set(METHODS) - FULL_BY_DESIGN)] + [
     ("hybridkv", {"refresh": "rcr"}),
     ("hybridkv", {"landmark": "detector"}),
     ("hybridkv", {"landmark": "minmax"}),

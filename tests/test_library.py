@@ -32,6 +32,7 @@ from hybridkv_cli.prompt import build_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from media_fixtures import make_noise_video  # noqa: E402
+from method_options import needed  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = sorted(METHODS)
@@ -116,7 +117,7 @@ def test_fixture_inputs_are_mixed_and_answers_varied(cases):
 @pytest.mark.parametrize("name", NAMES)
 def test_budget_one_is_stock_generate(cases, name, kind):
     model, inputs, stock = cases[kind]
-    tokens, run = compressed(model, inputs, name, budget=1.0)
+    tokens, run = compressed(model, inputs, name, budget=1.0, **needed(name))
     assert tokens == stock
     report = run.report()
     assert report["method"] == name and report["decode"]["tokens"] == NEW_TOKENS
@@ -130,7 +131,7 @@ def test_text_model_with_given_roles_at_budget_one(cases, name):
     n = inputs["input_ids"].shape[1]
     roles = torch.ones(n, dtype=torch.bool)
     roles[-8:] = False
-    tokens, run = compressed(model, inputs, name, budget=1.0, roles=roles)
+    tokens, run = compressed(model, inputs, name, budget=1.0, roles=roles, **needed(name))
     assert tokens == stock
     assert run.report()["input"] == {"visual_tokens": n - 8, "text_tokens": 8}
 
@@ -139,7 +140,7 @@ def test_text_model_with_given_roles_at_budget_one(cases, name):
 def test_low_budget_evicts(cases, name):
     """At b = 0.1 the device holds about a tenth of the prompt KV (quest and full keep it all)."""
     model, inputs, _ = cases["video"]
-    _, run = compressed(model, inputs, name, budget=0.1)
+    _, run = compressed(model, inputs, name, budget=0.1, **needed(name))
     assert run.report()["kv"]["prompt_ratio"] <= 0.11
 
 

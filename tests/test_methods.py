@@ -36,6 +36,7 @@ from hybridkv_cli.media import load_media
 from hybridkv_cli.demo import build_demo
 from hybridkv_cli.loaded import LoadedModel
 from hybridkv_cli.prompt import build_prompt, build_text_prompt
+from method_options import needed
 
 NAMES = sorted(METHODS)
 
@@ -154,7 +155,7 @@ def test_full_on_text_models_is_stock_generate(models, prompts, reference, kind)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", NAMES)
 def test_budget_one_reproduces_full(models, prompts, reference, name, kind):
-    run = generate(models[kind].model, prompts[kind], make_policy(name, budget=1.0), max_new_tokens=NEW_TOKENS)
+    run = generate(models[kind].model, prompts[kind], make_policy(name, budget=1.0, **needed(name)), max_new_tokens=NEW_TOKENS)
     assert run.tokens == reference[kind].tokens
     # ... because nothing was dropped: at least the full cache's bytes are on the device.
     assert run.device_bytes_after_prefill >= reference[kind].device_bytes_after_prefill
@@ -165,7 +166,7 @@ def test_budget_one_reproduces_full(models, prompts, reference, name, kind):
 def test_question_after_compression_at_budget_one_reproduces_full(models, prompts, reference, name, kind):
     # the question goes through the compressed cache one token per step: same tokens as full
     prompt = prompts[kind]
-    run = generate(models[kind].model, prompt, make_policy(name, budget=1.0), max_new_tokens=NEW_TOKENS,
+    run = generate(models[kind].model, prompt, make_policy(name, budget=1.0, **needed(name)), max_new_tokens=NEW_TOKENS,
                    defer_question=True)
     assert run.tokens == reference[kind].tokens
     assert run.cache.get_seq_length() == prompt.length + NEW_TOKENS - 1  # every prompt token went in
@@ -175,7 +176,7 @@ def test_question_after_compression_at_budget_one_reproduces_full(models, prompt
 @pytest.mark.parametrize("name", NAMES)
 def test_one_policy_serves_many_generations(models, prompts, name):
     """A policy is configuration: reusing it gives every generation the same tokens and report."""
-    policy = make_policy(name, budget=low(name))
+    policy = make_policy(name, budget=low(name), **needed(name))
     runs = [generate(models["llama"].model, prompts["llama"], policy, max_new_tokens=NEW_TOKENS) for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens
     assert json.dumps(runs[0].cache.summary()) == json.dumps(runs[1].cache.summary())
@@ -185,7 +186,7 @@ def test_one_policy_serves_many_generations(models, prompts, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_low_budget_device_bytes(models, prompts, reference, name, kind):
     prompt, loaded = prompts[kind], models[kind]
-    policy = make_policy(name, budget=low(name))
+    policy = make_policy(name, budget=low(name), **needed(name))
     run = generate(loaded.model, prompt, policy, max_new_tokens=NEW_TOKENS)
     full = reference[kind].device_bytes_after_prefill
     if name not in FULL_BY_DESIGN:
@@ -208,10 +209,12 @@ def test_low_budget_device_bytes(models, prompts, reference, name, kind):
 @pytest.mark.parametrize("name", NAMES)
 def test_ask_reports_json(models, media, name, kind):
     if kind in TEXT_KINDS:
-        result = ask(models[kind], None, QUESTION, context=CONTEXT, method=name, budget=low(name), max_new_tokens=4)
+        result = ask(models[kind], None, QUESTION, context=CONTEXT, method=name, budget=low(name), max_new_tokens=4,
+                     **needed(name))
         assert result["input"]["kind"] == "text" and result["input"]["context_tokens"] > 500
     else:
-        result = ask(models[kind], media[kind], QUESTION, method=name, budget=low(name), max_new_tokens=4)
+        result = ask(models[kind], media[kind], QUESTION, method=name, budget=low(name), max_new_tokens=4,
+                     **needed(name))
     assert isinstance(result["answer"], str)
     assert result["method"] == name and result["decode"]["tokens"] >= 1
     json.dumps(result, allow_nan=False)  # heads / summary included

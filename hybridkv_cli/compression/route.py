@@ -1,0 +1,97 @@
+"""``route``: a method per layer, read from a route file, under one budget for the whole model.
+
+Layers differ in how they attend and in how much they lose when compressed, so the eviction
+method itself may vary by layer (layer-wise routing; see docs/methods.md for what is taken from
+the idea and what is this project's design). A route file is JSON::
+
+    {"layers": ["hybridkv", "snapkv", ...], "options": {"hybridkv": {"theta": 0.9}, ...}}
+
+with one registered method per text layer (``route`` itself excluded) and, optionally, options
+per method. ``route`` may also be a comma-separated pattern of methods, repeated over the layers
+(``"hybridkv,snapkv"``: even layers hybridkv, odd ones snapkv). Every layer runs its method at the same budget, so the model keeps ``b`` of its
+cache as a whole. ``hybridkv route`` builds such a file from an offline profile
+(:mod:`hybridkv_cli.routing`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridkv_cli.compression import METHODS, make_policy, register
+from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
+from hybridkv_cli.errors import UsageError
+
+
+def read_route(path: str) -> tuple[list[str], dict[str, dict], bool]:
+    """(methods, options per method, whether the methods are a pattern to repeat) of a route file
+    or a pattern; a UsageError naming the file."""
+    names = path.split(",")
+    if not Path(path).exists() and ("," in path or path in METHODS):  # a pattern, not a file
+        _check(names, path)
+        return names, {}, True
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+    except FileNotFoundError:
+        raise UsageError("route file not found", path) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"not a route file ({type(e).__name__})", path) from None
+    layers = data.get("layers") if isinstance(data, dict) else None
+    options = data.get("options", {}) if isinstance(data, dict) else None
+    if not isinstance(layers, list) or not layers or not isinstance(options, dict):
+        raise UsageError('expected {"layers": [method per layer], "options": {method: {...}}}', path)
+    _check(layers, path)
+    return layers, options, False
+
+
+def _check(layers: list, path: str) -> None:
+    for name in layers:
+        if name not in METHODS or name == "route":
+            raise UsageError(f"unknown method '{name}' in the route (available: "
+                             f"{', '.join(sorted(set(METHODS) - {'route'}))})", path)
+
+
+@register("route")
+@dataclass
+class Route(Policy):
+    """Layer-wise routing: each layer compressed by the method a route file names for it.
+
+    Parameters
+    ----------
+    route : str
+        The route file (JSON, see the module docstring), or a pattern of methods.
+    """
+
+    route: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.route is None:
+            raise UsageError("the route method needs a route file (--route FILE; `hybridkv route` builds one)",
+                             "--route")
+        self._layers, options, self._repeat = read_route(self.route)
+        budgeted = {name: {} if name == "full" else {"budget": self.budget} for name in set(self._layers)}
+        try:
+            self._policies = {name: make_policy(name, **budgeted[name], **options.get(name, {}))
+                              for name in budgeted}
+        except UsageError as e:
+            raise UsageError(f"route options: {e.reason}", self.route) from None
+
+    def compress(self, layer: PrefillLayer) -> Compressed:
+        if not self._repeat and len(self._layers) != layer.num_layers:
+            raise UsageError(f"names methods for {len(self._layers)} layers, the model has {layer.num_layers}",
+                             self.route)
+        name = self._layers[layer.index % len(self._layers)]
+        kv, report = self._policies[name].compress(layer)
+        return Compressed(kv, (name, report))
+
+    def summary(self, reports: list) -> dict:
+        by_method: dict[str, list] = {}
+        for name, report in reports:
+            by_method.setdefault(name, []).append(report)
+        return {
+            "route": self.route,
+            "per_layer": [name for name, _ in reports],
+            "methods": {name: self._policies[name].summary(rs) for name, rs in by_method.items()},
+        }
