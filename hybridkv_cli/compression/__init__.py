@@ -34,7 +34,7 @@ def make_policy(name: str, **options) -> Policy:
 
 # Importing the method modules registers them.
 from hybridkv_cli.compression import (  # noqa: E402,F401
-    full, hybridkv, lookm, madakv, quest, rcr, route, snapkv, sparsemm, streamingllm,
+    full, hybridkv, lookm, madakv, quest, rcr, retentivekv, route, snapkv, sparsemm, streamingllm,
 )
 
 __all__ = ["METHODS", "Compressed", "LayerKV", "Policy", "PrefillLayer", "make_policy", "register"]
