@@ -51,7 +51,7 @@ VARIANTS = {
     "hkv-periodic-sink": ("hybridkv", {"refresh": "periodic", "sink_aware": True}),
     "rcr": ("rcr", {}),
     "rcr-periodic": ("rcr", {"refresh": "periodic"}),
-    **{name: (name, {}) for name in ("snapkv", "lookm", "madakv", "sparsemm", "streamingllm", "quest")},
+    **{name: (name, {}) for name in ("snapkv", "lookm", "madakv", "sparsemm", "streamingllm", "quest", "retentivekv")},
 }
 
 
