@@ -30,8 +30,8 @@ class Family:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("Qwen2-VL", "qwen2_vl", "demo-random:qwen2vl"),
     Family("Qwen2.5-VL", "qwen2_5_vl", "demo-random"),
+    Family("Qwen2-VL", "qwen2_vl", "demo-random:qwen2vl"),
     Family("Qwen3-VL", "qwen3_vl", "demo-random:qwen3vl"),
     Family("LLaVA-OneVision", "llava_onevision", "demo-random:llava-ov"),
 )
