@@ -68,20 +68,21 @@ def _grid_factor(sub) -> int | None:
     return int(patch) * int(merge) if patch and merge else None
 
 
-def _round_only(factor: int, height: int, width: int, frames: int = 1) -> dict[str, int]:
-    """A Qwen processor ``size`` whose bounds never bind for this frame size: its resize only
-    rounds to its own grid (the pixel limits were applied by the media layer)."""
-    top = (height + factor) * (width + factor) * max(frames, 2) * 2
-    return {"shortest_edge": factor * factor, "longest_edge": top}
+def _at_most(factor: int, pixels: int) -> dict[str, int]:
+    """A Qwen processor ``size`` whose resize only moves to its own grid, never above ``pixels``
+    (a clip: frames x height x width; an image: the largest image's area), i.e. the pixel limits
+    the media layer applied (``--max-pixels``) hold for the processor too."""
+    return {"shortest_edge": factor * factor, "longest_edge": int(pixels)}
 
 
-def media_kwargs(processor, kind: str, shape: tuple[int, ...], video_metadata: list | None = None) -> dict[str, Any]:
+def media_kwargs(processor, kind: str, pixels: int, video_metadata: list | None = None) -> dict[str, Any]:
     """Processor keyword arguments for frames / images the media layer already sampled and sized.
 
-    ``shape`` is ``(T, 3, H, W)`` of a clip or ``(H, W)`` of an image. Frames are never sampled
-    again (``do_sample_frames=False``). Qwen2-VL / Qwen2.5-VL processors (grid 28, the media
-    layer's) keep the size (``do_resize=False``: no second resize, no upscaling of small clips
-    to their 100k-pixel minimum); Qwen3-VL (grid 32) only rounds to its grid; LLaVA-OneVision
+    ``pixels``: a clip's frames x height x width, or the largest image's area. Frames are never
+    sampled again (``do_sample_frames=False``). Qwen2-VL / Qwen2.5-VL processors (grid 28, the
+    media layer's) keep the size (``do_resize=False``: no second resize, no upscaling of small
+    clips to their 100k-pixel minimum); Qwen3-VL (grid 32) moves to its grid within ``pixels``
+    (its own minimum and maximum do not apply: the media layer's bounds did); LLaVA-OneVision
     resizes to its own vision tower's size (anyres tiles for a single image) as it always does.
     """
     sub = processor.video_processor if kind == "video" else processor.image_processor
@@ -96,8 +97,7 @@ def media_kwargs(processor, kind: str, shape: tuple[int, ...], video_metadata: l
     if factor == QWEN_FACTOR:
         kw["do_resize"] = False
     else:
-        height, width = shape[-2:]
-        kw["size"] = _round_only(factor, int(height), int(width), int(shape[0]) if kind == "video" else 1)
-    if kind == "video" and "cap_pixels_per_frame" in getattr(sub, "valid_kwargs", {}).__annotations__:
+        kw["size"] = _at_most(factor, pixels)
+    if kind == "video" and "cap_pixels_per_frame" in getattr(getattr(sub, "valid_kwargs", None), "__annotations__", {}):
         kw["cap_pixels_per_frame"] = False  # silences a transformers 5.x deprecation warning
     return kw

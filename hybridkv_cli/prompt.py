@@ -137,22 +137,17 @@ def build_prompt(processor, media: MediaInput, question: str) -> Prompt:
         # Frames are already sampled and sized by the media layer; their rate sets Qwen's temporal
         # ids (Qwen2/2.5-VL) or frame timestamps (Qwen3-VL).
         meta = video_kwargs(fps=media.sample_fps or 2.0, num_frames=media.frames_used)["video_metadata"]
-        kwargs = families.media_kwargs(processor, "video", tuple(media.video.shape), meta)
+        kwargs = families.media_kwargs(processor, "video", media.video[:, 0].numel(), meta)
         inputs = processor(text=[text], videos=[media.video], videos_kwargs=kwargs, return_tensors="pt")
     else:
         images = list(media.images)
-        kwargs = families.media_kwargs(processor, "image", _largest(images))
+        kwargs = families.media_kwargs(processor, "image", max(im.size[0] * im.size[1] for im in images))
         inputs = processor(text=[text], images=images, images_kwargs=kwargs, return_tensors="pt")
     inputs = dict(inputs)
     if standin is not question:
         inputs = _splice(inputs, tokenizer.convert_tokens_to_ids(standin), question_ids(tokenizer, question))
     ids = inputs["input_ids"][0]
     return Prompt(inputs=inputs, visual=torch.isin(ids, torch.tensor(families.visual_token_ids(processor))))
-
-
-def _largest(images) -> tuple[int, int]:
-    """(H, W) bounding every image of a set (PIL images)."""
-    return max(im.size[1] for im in images), max(im.size[0] for im in images)
 
 
 def build_text_prompt(tokenizer, context: str, question: str) -> Prompt:

@@ -107,6 +107,29 @@ def test_qwen3vl_frame_timestamps_are_text(tiny, media):
     assert text.count(" seconds>") == 2  # 4 frames, temporal patch 2: one timestamp per grid frame
 
 
+@pytest.mark.parametrize("family", ["qwen2vl", "qwen3vl"])
+def test_qwen_processors_keep_the_media_layers_pixels(tiny, media, family):
+    """Qwen2-VL keeps the media layer's size (grid 28); Qwen3-VL (grid 32) moves to its grid within
+    the same pixels, so --max-pixels bounds both."""
+    loaded = tiny[family]
+    for kind, grid_key in (("images", "image_grid_thw"), ("video", "video_grid_thw")):
+        prompt = build_prompt(loaded.processor, media[kind], QUESTION)
+        sub = loaded.processor.video_processor if kind == "video" else loaded.processor.image_processor
+        patch = sub.patch_size
+        grids = prompt.inputs[grid_key]
+        if kind == "video":
+            clip = media["video"].video
+            pixels = [clip.shape[0] * clip.shape[2] * clip.shape[3]]
+            got = [int(g[0] * sub.temporal_patch_size * g[1] * g[2]) * patch * patch for g in grids]
+        else:
+            pixels = [im.size[0] * im.size[1] for im in media["images"].images]
+            got = [int(g[1] * g[2]) * patch * patch for g in grids]
+        if family == "qwen2vl":
+            assert got == pixels
+        else:
+            assert all(0.5 * max(pixels) < g <= max(pixels) for g in got)
+
+
 @pytest.mark.parametrize("kind", ["images", "video"])
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_full_is_stock_generate(tiny, media, family, kind):
