@@ -155,6 +155,23 @@ def test_saved_checkpoint_directory_loads_through_the_auto_classes(tiny, media, 
     assert generate(again.model, prompt, make_policy("full"), max_new_tokens=3).tokens == ours
 
 
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_cached_hub_id_loads_offline(tiny, family, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / f"models--hybridkv-test--tiny-{family}"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    tiny[family].model.save_pretrained(snapshot)
+    tiny[family].processor.save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    loaded = models.load_model(f"hybridkv-test/tiny-{family}", device="cpu")
+    assert type(loaded.model) is type(tiny[family].model) and loaded.multimodal
+
+
 def test_unsupported_architecture_is_one_line_listing_the_families(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "idefics3"}')
     with pytest.raises(ModelError) as err:
