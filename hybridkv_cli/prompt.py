@@ -142,7 +142,8 @@ def build_prompt(processor, media: MediaInput, question: str) -> Prompt:
     else:
         images = list(media.images)
         kwargs = families.media_kwargs(processor, "image", max(im.size[0] * im.size[1] for im in images))
-        inputs = processor(text=[text], images=images, images_kwargs=kwargs, return_tensors="pt")
+        # nested: one prompt with several images (LLaVA-OneVision reads this as its multi-image mode)
+        inputs = processor(text=[text], images=[images], images_kwargs=kwargs, return_tensors="pt")
     inputs = dict(inputs)
     if standin is not question:
         inputs = _splice(inputs, tokenizer.convert_tokens_to_ids(standin), question_ids(tokenizer, question))

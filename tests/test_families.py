@@ -56,7 +56,8 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def media(files):
-    return {"images": load_media(files["images"]), "video": load_media(files["video"], frames=4)}
+    return {"images": load_media(files["images"]), "image": load_media(files["images"][:1]),
+            "video": load_media(files["video"], frames=4)}
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +92,24 @@ def _vision_positions(loaded, prompt) -> torch.Tensor:
     return (seen["e"] != own).any(-1)[0]
 
 
-@pytest.mark.parametrize("kind", ["images", "video"])
+@pytest.mark.parametrize("kind", ["images", "image", "video"])
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_visual_mask_is_exactly_the_vision_tokens(tiny, media, family, kind):
     loaded = tiny[family]
     prompt = build_prompt(loaded.processor, media[kind], QUESTION)
     assert 0 < prompt.visual_tokens < prompt.length
     assert torch.equal(_vision_positions(loaded, prompt), prompt.visual)
+
+
+def test_llava_ov_image_modes(tiny, media):
+    """One image: anyres tiles (base + unpadded grid + a newline feature per row); several images:
+    the base features + one newline each (LLaVA-OneVision's multi-image mode)."""
+    processor = tiny["llava-ov"].processor
+    base = processor.num_image_tokens
+    several = build_prompt(processor, media["images"], QUESTION)
+    assert several.visual_tokens == 2 * (base + 1)
+    one = build_prompt(processor, media["image"], QUESTION)
+    assert one.visual_tokens > base + 1
 
 
 def test_qwen3vl_frame_timestamps_are_text(tiny, media):
