@@ -195,9 +195,13 @@ def test_unsupported_architecture_is_one_line_listing_the_families(tmp_path):
 
 
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
-def test_profile_and_bench_run(files, family, tmp_path, capsys):
+def test_ask_profile_and_bench_run(files, family, tmp_path, capsys):
     fast = ["--model", f"demo-random:{family}", "--max-new-tokens", "3", "-q"]
     video = str(files["video"])
+    assert cli.run(["ask", video, "What?", "--frames", "4", "--method", "snapkv", "--budget", "0.1",
+                    "--defer-question", "--json", *fast]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["input"]["visual_tokens"] > 0 and record["decode"]["tokens"] >= 1
     assert cli.run(["profile", video, "What?", "--frames", "4", "--budgets", "0.5", "--json", *fast]) == 0
     assert "sweep" in json.loads(capsys.readouterr().out)
     out = tmp_path / "bench"
