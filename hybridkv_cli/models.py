@@ -64,7 +64,8 @@ LOADERS: dict[str, Loader] = {
     demo.DEMO_NAME: Loader(demo.load_demo, demo.frame_pixels),
     demo.RANDOM_NAME: Loader(demo.load_demo, demo.frame_pixels),
     SMOLLM2_NAME: Loader(_load_smollm2),
-    **{tiny_models.PREFIX + family: Loader(tiny_models.load_tiny) for family in (*tiny_models.TINY_FAMILIES, "qwen25vl")},
+    **{tiny_models.PREFIX + family: Loader(tiny_models.load_tiny)
+       for family in (*tiny_models.TINY_FAMILIES, "qwen25vl")},
 }
 GENERIC = Loader(lambda name, dev, dt: checkpoints.load_checkpoint(name, dev, dt))
 
