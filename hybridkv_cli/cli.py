@@ -27,8 +27,9 @@ _state = {"debug": False}
 # Options shared by `ask` and `profile`, declared once.
 ARGS = typer.Argument(..., metavar="MEDIA... QUESTION", help="A video, image files or a directory, then the question "
                       "(with --context: the question only).")
-MODEL = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help="Hub id, local directory, 'demo' (offline tiny video-QA "
-                     "model), 'demo-random', 'smollm2' or a .gguf file (text models).")
+MODEL = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help="Hub id or local directory (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
+                     "LLaVA-OneVision), 'demo' (offline tiny video-QA model), 'demo-random[:qwen2vl|qwen3vl|llava-ov]', "
+                     "'smollm2' or a .gguf file (text models).")
 CONTEXT = typer.Option(None, "--context", metavar="FILE", help="Ask about the text in FILE instead of media "
                        "(a text prompt: its tokens take the visual tokens' role); - reads stdin.")
 BUDGET = typer.Option(None, help="Device-resident prompt KV as a share of the full cache, in (0, 1] [default: 0.1; "
