@@ -75,6 +75,15 @@ JSONL = typer.Option(False, "--jsonl", help="Print one JSON line per input on st
                      'input gives {"input": PATH, "error": {"type": ..., "message": ...}}.')
 OUTPUT = typer.Option(None, "--output", "-o", metavar="FILE", help="Append the JSON lines to FILE (whole lines, "
                       "fsynced one by one).")
+ASK_MODEL = typer.Option(None, help="Hub id, local directory, 'demo' (offline tiny video-QA model), 'demo-random', "
+                         "'smollm2' or a .gguf file (text models) [default: Qwen/Qwen2.5-VL-7B-Instruct; .hkv "
+                         "inputs: the file's model].")
+QUESTION = typer.Option(None, "--question", "-Q", metavar="TEXT", help="A question (repeat for several): the "
+                        "arguments are then all media; the media is compressed once and every question answered "
+                        "from that compressed cache (as --defer-question does), one record each.")
+QUESTIONS = typer.Option(None, "--questions", metavar="FILE", help="Questions, one per line, or JSON lines "
+                         '{"question": ..., "answer"?: ...} (an answer adds "expected" and "correct" to the record); '
+                         "asked like repeated --question.")
 RESUME = typer.Option(False, "--resume", help="With --output: skip inputs already answered in FILE (failed ones "
                       "are retried).")
 
@@ -113,8 +122,10 @@ def _split_args(args: list[str] | None, context: str | None,
 
 @app.command(help=ASK_HELP)
 def ask(
-    args: list[str] = ARGS, model: str = MODEL,
-    method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`)."),
+    args: list[str] = ARGS, model: Optional[str] = ASK_MODEL,
+    method: Optional[str] = typer.Option(None, help="Compression method (see `hybridkv methods`) [default: "
+                                         "hybridkv; a .hkv input: the file's]."),
+    question_opt: Optional[list[str]] = QUESTION, questions_file: Optional[str] = QUESTIONS,
     budget: Optional[float] = BUDGET, window: Optional[int] = WINDOW, theta: Optional[float] = THETA,
     sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
@@ -133,12 +144,36 @@ def ask(
     from hybridkv_cli.inputs import Item, plan_inputs, read_context
     from hybridkv_cli.session import AskOptions, Session
 
+    from hybridkv_cli.multi_run import plan_questions, resolve_cache_inputs
+
     _state["debug"] = debug
-    paths, question = _split_args(args, context)
+    asked = plan_questions(question_opt, questions_file)
+    if asked is None:
+        paths, question = _split_args(args, context)
+        if "\n" not in question and len(question) < 4096 and os.path.exists(question):
+            print_warning(f"the question '{question}' is an existing path; the question comes last (MEDIA... QUESTION)")
+    else:
+        paths, question = list(args or []) if context is None else [], None
+        if context is not None and args:
+            raise UsageError("with --context and --question/--questions give no arguments", "arguments")
     if context is not None and (each or output is not None):
         raise UsageError("--context is one text input; --each and --output take media inputs", "--context")
-    if "\n" not in question and len(question) < 4096 and os.path.exists(question):
-        print_warning(f"the question '{question}' is an existing path; the question comes last (MEDIA... QUESTION)")
+    model, dtype, caches = resolve_cache_inputs(paths, model, dtype)
+    if asked is not None or caches:  # one compression (or a .hkv file), one record per question
+        from hybridkv_cli.multi_run import ask_questions
+
+        options = AskOptions(
+            model=model, device=device, dtype=dtype, method=method or "hybridkv", method_given=method is not None,
+            frames=frames, fps=fps, max_pixels=max_pixels, max_new_tokens=max_new_tokens, defer_question=True,
+            method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
+                                chunk_size=chunk_size, sink_aware=sink_aware, landmark=landmark, refresh=refresh,
+                                refresh_rate=refresh_rate, refresh_period=refresh_period,
+                                refresh_slots=refresh_slots, sinks=sinks, page_size=page_size,
+                                head_scores=head_scores))
+        return ask_questions(Session(options, stage=status(quiet)), paths, asked or [(question, ())],
+                             context=context, each=each, caches=caches, as_json=as_json, jsonl=jsonl,
+                             output=output, resume=resume, quiet=quiet, debug=debug)
+    method = method or "hybridkv"
     options = AskOptions(
         model=model, device=device, dtype=dtype, method=method, frames=frames, fps=fps, max_pixels=max_pixels,
         max_new_tokens=max_new_tokens, defer_question=defer_question,
@@ -303,6 +338,61 @@ def bench(
     else:
         render_bench(result, Console())
     return 1 if any(row["errors"] for row in result["aggregates"]) else 0
+
+
+COMPRESS_HELP = (
+    "Prefill and compress MEDIA once (no question) and save the compressed cache to a .hkv file, to be asked "
+    "later with `hybridkv ask FILE.hkv QUESTION` (or many questions: -Q, --questions) without decoding or "
+    "encoding the media again.\n\n"
+    "MEDIA is a video, image files (one image set) or a directory of images; with --each every argument is its "
+    "own input (a directory: every video and image in it) and -o names a folder that gets NAME.hkv per input. "
+    "--resume skips inputs whose cache file already exists. The file (safetensors, written atomically) holds the "
+    "method and its options and the model it was made with; `ask` refuses it with another model, dtype, method "
+    "or hybridkv version.\n\n"
+    "Exit status: 0 every input compressed; 1 an input failed (the others still ran); 2 bad command line."
+)
+
+
+@app.command(help=COMPRESS_HELP)
+def compress(
+    args: list[str] = typer.Argument(..., metavar="MEDIA...", help="A video, image files or a directory."),
+    output: Path = typer.Option(..., "--output", "-o", metavar="FILE.hkv|DIR", help="The cache file (--each or "
+                                "several inputs: a folder)."),
+    model: str = MODEL,
+    method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`)."),
+    budget: Optional[float] = BUDGET, window: Optional[int] = WINDOW, theta: Optional[float] = THETA,
+    sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
+    sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
+    refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
+    refresh_slots: Optional[int] = REFRESH_SLOTS,
+    sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
+    head_scores: Optional[str] = HEAD_SCORES, frames: int = FRAMES, fps: Optional[float] = FPS,
+    max_pixels: Optional[int] = MAX_PIXELS, device: str = DEVICE, dtype: str = DTYPE,
+    each: bool = EACH, jsonl: bool = typer.Option(False, "--jsonl", help="One JSON line per input on stdout "
+                                                  "(its cache file and sizes, or its error)."),
+    resume: bool = typer.Option(False, "--resume", help="Skip inputs whose cache file already exists."),
+    quiet: bool = QUIET, debug: bool = DEBUG,
+):
+    from hybridkv_cli.inputs import plan_inputs
+    from hybridkv_cli.multi_run import run_compress
+    from hybridkv_cli.session import AskOptions, Session
+
+    _state["debug"] = debug
+    options = AskOptions(
+        model=model, device=device, dtype=dtype, method=method, frames=frames, fps=fps, max_pixels=max_pixels,
+        defer_question=True,
+        method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
+                            chunk_size=chunk_size, sink_aware=sink_aware, landmark=landmark, refresh=refresh,
+                            refresh_rate=refresh_rate, refresh_period=refresh_period, refresh_slots=refresh_slots,
+                            sinks=sinks, page_size=page_size, head_scores=head_scores),
+    )
+    session = Session(options, stage=status(quiet))
+    items = plan_inputs(list(args), each=each, stdin=sys.stdin)
+    if not items:
+        print_warning("no inputs; nothing to do")
+        return 0
+    return run_compress(session, items, output, each=each, resume=resume, console=err, quiet=quiet, debug=debug,
+                        jsonl=sys.stdout if jsonl else None)
 
 
 @app.command()

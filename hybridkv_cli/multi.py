@@ -85,6 +85,7 @@ class CompressedPrefix:
     device_bytes: int = 0
     host_bytes: int = 0
     info: dict = field(default_factory=dict)  # what the record's "input" says about the media
+    role: str = "visual"  # the prefix's bulk tokens: "visual" (media) or "context" (a text prompt)
 
     def cache(self, num_layers: int, device: torch.device) -> PolicyCache:
         """A fresh cache holding an independent copy of the compressed state."""
@@ -135,6 +136,7 @@ def compress_prefix(model, prompt: Prompt, policy: Policy, template: QuestionTem
         prefill_peak_bytes=cache.prefill_peak_bytes,
         device_bytes=cache.device_bytes(),
         host_bytes=cache.host_bytes(),
+        role=prompt.role,
     )
 
 
@@ -151,7 +153,7 @@ def question_prompt(prefix: CompressedPrefix, suffix: list[int]) -> Prompt:
             tail = torch.zeros(1, n, dtype=value.dtype, device=value.device)
         inputs[key] = torch.cat([value, tail], dim=1)
     visual = torch.cat([prefix.visual.cpu(), torch.zeros(n, dtype=torch.bool)])
-    return Prompt(inputs=inputs, visual=visual, role="visual")
+    return Prompt(inputs=inputs, visual=visual, role=prefix.role)
 
 
 def answer(model, prefix: CompressedPrefix, suffix: list[int], max_new_tokens: int = 128) -> tuple[Generation, Prompt]:
