@@ -303,6 +303,9 @@ def bench(
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per run (greedy)."),
     defer_question: bool = DEFER,
+    per_video: bool = typer.Option(False, "--per-video", help="Questions about the same media share one "
+                                   "compression per method and budget (each answered from a copy of it, as a "
+                                   "deferred question: the answers of --defer-question, in less time)."),
     out: Optional[Path] = typer.Option(None, help="Directory for bench.csv, bench.json and bench.png."),
     device: str = DEVICE, dtype: str = DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print the JSON (config, aggregates, items), not the table."),
@@ -330,7 +333,8 @@ def bench(
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens,
                                  defer_question=defer_question), stage=status(quiet))
     session.model()
-    result = run_bench(session, inputs, names, sweep, console=err, quiet=quiet, debug=debug, **options)
+    result = run_bench(session, inputs, names, sweep, console=err, quiet=quiet, debug=debug, per_video=per_video,
+                       **options)
     if out is not None:
         err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
     if as_json:

@@ -158,12 +158,18 @@ class Session:
         if item.paths and len(item.paths) == 1 and hkv.is_cache_path(item.paths[0]):
             return self.load_cache(item.paths[0])
         media = self.load_media(item.paths) if item.paths else None
-        prepared = self.prepare(media, TEMPLATE_QUESTION, context=context,
-                                source=item.key if item.paths else None)
+        return self.compress_media(media, context=context, source=item.key if item.paths else None)
+
+    def compress_media(self, media: MediaInput | None, *, context: str | None = None, source: str | None = None,
+                       policy: Policy | None = None) -> CompressedPrefix:
+        """``media`` (None: the text ``context``) prefilled and compressed with ``policy`` (default:
+        the session's), no question read."""
+        policy = policy or self.policy
+        prepared = self.prepare(media, TEMPLATE_QUESTION, context=context, source=source)
         loaded = self.model()
         template = QuestionTemplate.of(loaded.tokenizer, prepared.prompt, prepared.question)
-        with self.stage(f"compressing ({self.policy.name}, budget {self.policy.budget:g}) ..."):
-            prefix = self._guarded(prepared.source, compress_prefix, loaded.model, prepared.prompt, self.policy,
+        with self.stage(f"compressing ({policy.name}, budget {policy.budget:g}) ..."):
+            prefix = self._guarded(prepared.source, compress_prefix, loaded.model, prepared.prompt, policy,
                                    template)
         info = input_record(media, prepared.prompt)
         info.pop("text_tokens", None)  # the question's: set per record

@@ -155,3 +155,32 @@ def test_cli_questions_resume_per_question(clip, tmp_path, capsys):
                     *FAST]) == 0
     assert len(lines(out.read_text())) == 2
     assert "skipping 1 input" in capsys.readouterr().err
+
+
+# --- bench --per-video ------------------------------------------------------------------------------
+def test_bench_per_video_equals_one_by_one_deferred(clip, tmp_path, capsys):
+    images = Path(__file__).resolve().parents[1] / "sample_media" / "images"
+    rows = [{"id": f"v{i}", "media": str(clip), "question": q, "answer": a}
+            for i, (q, a) in enumerate(zip(QUESTIONS, ["square", "red", "two"]))]
+    rows.insert(1, {"id": "img", "media": [str(images / "red_circle.png"), str(images / "blue_square.jpg")],
+                    "question": "Which shape?", "answer": "circle"})
+    rows.append({"id": "img2", "media": [str(images / "red_circle.png"), str(images / "blue_square.jpg")],
+                 "question": "Which colour?", "answer": "red"})
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    common = ["bench", "--tasks", str(tasks), "--methods", "hybridkv,snapkv,quest", "--budgets", "0.1,1.0",
+              "--json", "-q", *FAST]
+    assert cli.run([*common, "--defer-question"]) == 0
+    one_by_one = json.loads(capsys.readouterr().out)
+    assert cli.run([*common, "--per-video"]) == 0
+    grouped = json.loads(capsys.readouterr().out)
+    assert grouped["config"]["options"]["per_video"] is True
+    assert len(grouped["items"]) == len(one_by_one["items"]) == 5 * 7
+    for a, b in zip(one_by_one["items"], grouped["items"]):
+        assert (a["id"], a["method"], a["budget"]) == (b["id"], b["method"], b["budget"])
+        assert (a["answer"], a["correct"], a["fidelity"], a["error"]) == (b["answer"], b["correct"], b["fidelity"],
+                                                                          b["error"])
+        assert a["kv_ratio"] == pytest.approx(b["kv_ratio"])
+    for a, b in zip(one_by_one["aggregates"], grouped["aggregates"]):
+        assert (a["method"], a["budget"], a["accuracy"], a["fidelity"]) == (b["method"], b["budget"], b["accuracy"],
+                                                                            b["fidelity"])
