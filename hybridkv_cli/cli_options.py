@@ -73,6 +73,10 @@ ASK_HELP = (
     "With --each every media argument is its own input (a directory: every video and image in it); with - the "
     "paths are read from stdin, one per line (blank lines ignored), each its own input. The model is loaded once "
     "for all inputs.\n\n"
+    "Several questions: -Q/--question (repeat) or --questions FILE; the arguments are then all media, each "
+    "compressed once and every question answered from that compressed cache (one record per question). A .hkv "
+    "file (`hybridkv compress`) is a saved compressed cache: `hybridkv ask clip.hkv QUESTION` answers without the "
+    "media, with the file's model, dtype and method.\n\n"
     "Output on stdout: a human report per input; --json: one JSON object (one input only); --jsonl: one JSON "
     'line per input, a failed input as {"input": PATH, "error": {"type": ..., "message": ...}}. --output FILE '
     "appends the same lines to FILE (stdout then stays empty unless --jsonl); --resume skips the inputs FILE "
