@@ -58,6 +58,8 @@ def geometry_run(args, methods: list[str], n_questions: int) -> dict:
     vocab = 2048
     model = build_model(args.layers, 1024, vocab)
     base = video_like_prompt(args.tokens, vocab)
+    base.visual[16:] = True
+    base.visual[args.tokens - args.question_tokens:] = False  # the question + template tail
     cut = base.length - question_length(base)
     g = torch.Generator().manual_seed(1)
     prompts = []
@@ -65,6 +67,7 @@ def geometry_run(args, methods: list[str], n_questions: int) -> dict:
         ids = base.inputs["input_ids"].clone()
         ids[0, cut:] = torch.randint(10, vocab, (base.length - cut,), generator=g)
         prompts.append(Prompt(inputs={"input_ids": ids, "attention_mask": torch.ones_like(ids)}, visual=base.visual))
+    assert cut == args.tokens - args.question_tokens
     out = {}
     for method in methods:
         generate(model, prompts[0], make_policy(method), max_new_tokens=2, defer_question=True)  # warm-up
@@ -104,6 +107,8 @@ def main() -> None:
     ap.add_argument("--geometry", action="store_true", help="Qwen2.5-VL-7B attention geometry, random prompt")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=4608)
+    ap.add_argument("--question-tokens", type=int, default=24, help="--geometry: tokens after the media "
+                    "(vision end, question, template tail)")
     args = ap.parse_args()
     questions = QUESTIONS[: args.questions]
     if args.geometry:

@@ -91,8 +91,10 @@ def save(path: str | os.PathLike, prefix: CompressedPrefix, loaded) -> int:
     storages, info, tree = flatten((prefix.policy, prefix.state))
     tensors = {key: data.detach().cpu().contiguous() for key, data in storages.items()}
     tensors["visual"] = prefix.visual.cpu().to(torch.uint8)
-    for key, value in prefix.prefix.items():
-        tensors[_PREFIX + key] = value.cpu().contiguous()
+    dtypes = {}
+    for key, value in prefix.prefix.items():  # ids and token types, stored in the narrowest dtype that holds them
+        dtypes[key] = str(value.dtype).removeprefix("torch.")
+        tensors[_PREFIX + key] = _narrow(value.cpu()).contiguous()
     if prefix.rope_deltas is not None:
         tensors["rope_deltas"] = prefix.rope_deltas.cpu().contiguous()
     header = {
@@ -105,6 +107,7 @@ def save(path: str | os.PathLike, prefix: CompressedPrefix, loaded) -> int:
         "options": _policy_options(prefix.policy),
         "seen": prefix.seen,
         "template": {"head": prefix.template.head, "tail": prefix.template.tail},
+        "prefix_dtypes": dtypes,
         "storages": info,
         "tree": tree,
         "input": prefix.info,
@@ -206,7 +209,9 @@ def load(path: str | os.PathLike, loaded, method: str | None = None) -> Compress
                 data = data.pin_memory()
             storages[key] = data
         policy, state = rebuild(storages, header["tree"])
-        prefix = {k.removeprefix(_PREFIX): v.to(device) for k, v in tensors.items() if k.startswith(_PREFIX)}
+        dtypes = header["prefix_dtypes"]
+        prefix = {k.removeprefix(_PREFIX): v.to(device=device, dtype=getattr(torch, dtypes[k.removeprefix(_PREFIX)]))
+                  for k, v in tensors.items() if k.startswith(_PREFIX)}
         template = QuestionTemplate(list(header["template"]["head"]), list(header["template"]["tail"]))
         return CompressedPrefix(
             policy=policy, state=tuple(state), seen=int(header["seen"]),
@@ -219,6 +224,18 @@ def load(path: str | os.PathLike, loaded, method: str | None = None) -> Compress
         )
     except (GraphError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CacheFileError(f"corrupt cache file ({_short(e)})", source) from None
+
+
+def _narrow(t: torch.Tensor) -> torch.Tensor:
+    """An integer tensor as uint8 or int32 when its values fit (token ids, masks, token types)."""
+    if t.dtype.is_floating_point or t.numel() == 0:
+        return t
+    low, high = int(t.min()), int(t.max())
+    if 0 <= low and high < 256:
+        return t.to(torch.uint8)
+    if -2**31 <= low and high < 2**31:
+        return t.to(torch.int32)
+    return t
 
 
 def _short(e: BaseException) -> str:
