@@ -135,6 +135,7 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
             jsonl.flush()
 
     progress = Progress(console, len(items), quiet=quiet)
+    shown = 0  # records rendered for people
     session.stage = progress.stage
     try:
         with progress:
@@ -166,17 +167,19 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
                                   highlight=False, soft_wrap=True)
                     progress.finish(item.key, False, time.perf_counter() - started)
                     continue
-                for result in results:
+                for n, result in enumerate(results):
                     emit(result)
+                    if n == len(results) - 1:  # the input is answered once its last line is written
+                        summary.ok += 1
                     if human is not None:
                         from hybridkv_cli.report import render
 
-                        if summary.ok or result is not results[0]:
+                        if shown:
                             human.print()
+                        shown += 1
                         title = item.key if len(results) == 1 else f"{item.key} · {result['question']}"
                         human.print(f"[bold]── {escape(title)}[/bold]", highlight=False, soft_wrap=True)
                         render(result, human)
-                summary.ok += 1
                 progress.finish(item.key, True, time.perf_counter() - started)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.signals)
         summary.stopped_by = signals.signal_of(e)
