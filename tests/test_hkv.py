@@ -236,3 +236,18 @@ def test_atomic_write_leaves_no_partial_file(demo, video, tmp_path, monkeypatch)
     with pytest.raises(OSError):
         hkv.save(target, prefix, demo)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_compress_jsonl_and_folder_target(tmp_path, capsys):
+    clip = make_video(tmp_path / "clip.mp4", n=6)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert cli.run(["compress", str(clip), "-o", str(folder), "--method", "snapkv", "--budget", "0.2", "--jsonl",
+                    "--quiet", "--model", "demo", *FAST[:4]]) == 0
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    target = folder / "clip.mp4.hkv"
+    assert line["cache"] == str(target) and line["file_bytes"] == target.stat().st_size
+    assert line["method"] == "snapkv" and line["budget"] == 0.2
+    header = hkv.read_header(target)
+    assert header["method"] == "snapkv" and header["options"]["budget"] == 0.2 and header["model"]["name"] == "demo"
+    assert header["library_version"] == hkv.library_version() and header["format_version"] == hkv.FORMAT_VERSION
