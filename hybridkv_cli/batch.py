@@ -46,6 +46,26 @@ def stop_line(summary: Summary, total: int, output) -> str:
     return f"{what} (a run with --output FILE can continue where it stopped with --resume)"
 
 
+def answered_pairs(path: str | os.PathLike) -> set[tuple[str, str]]:
+    """(input, question) pairs answered successfully in the JSON-lines file ``path``."""
+    from hybridkv_cli.jsonl import record_key
+
+    pairs: set[tuple[str, str]] = set()
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                key = record_key(record)
+                if key is not None and isinstance(record.get("question"), str):
+                    pairs.add((key, record["question"]))
+    except FileNotFoundError:
+        pass
+    return pairs
+
+
 @dataclass
 class Summary:
     """How a run went: inputs answered, failed, skipped (``--resume``), and the signal that stopped
@@ -67,9 +87,10 @@ class Summary:
         return EXIT_FAILED if self.failed else EXIT_OK
 
 
-def run_batch(items: list[Item], question: str, session: Session, *, console, jsonl: TextIO | None = None,
+def run_batch(items: list[Item], question: str | None, session: Session, *, console, jsonl: TextIO | None = None,
               human=None, output: str | os.PathLike | None = None, resume: bool = False, quiet: bool = False,
-              debug: bool = False) -> Summary:
+              debug: bool = False, questions: list[tuple[str, tuple[str, ...]]] | None = None,
+              context: str | None = None) -> Summary:
     """Answer every item; one record per input (success or error), in order.
 
     ``jsonl``: a stream that gets every record line (flushed per line); ``human``: a rich console
@@ -80,6 +101,11 @@ def run_batch(items: list[Item], question: str, session: Session, *, console, js
     would fail every input the same way and stops the run; any other failure is recorded and
     the run goes on (``debug``: unexpected exceptions propagate).
     Ctrl-C, SIGTERM or SIGHUP stop after the completed lines (``Summary.stopped_by``).
+
+    ``questions`` (``(question, expected answers)`` pairs; then ``question`` is unused): every
+    item is compressed once (or loaded from its ``.hkv`` file) and each question answered from
+    that cache, one record per question (:meth:`Session.answer_all`); ``resume`` skips the
+    (input, question) pairs already answered and an input whose questions all are.
     """
     from rich.markup import escape
 
@@ -87,8 +113,12 @@ def run_batch(items: list[Item], question: str, session: Session, *, console, js
     sink = JsonlFile(output) if output is not None else None
     if sink is not None:
         if resume:
-            done = sink.done()
-            todo = [it for it in items if it.key not in done]
+            if questions is None:
+                done = sink.done()
+                todo = [it for it in items if it.key not in done]
+            else:
+                answered = answered_pairs(output)
+                todo = [it for it in items if any((it.key, q) not in answered for q, _ in questions)]
             summary.skipped = len(items) - len(todo)
             if summary.skipped and not quiet:
                 console.print(f"resume: skipping {summary.skipped} input{'s' if summary.skipped > 1 else ''} "
@@ -105,6 +135,7 @@ def run_batch(items: list[Item], question: str, session: Session, *, console, js
             jsonl.flush()
 
     progress = Progress(console, len(items), quiet=quiet)
+    shown = 0  # records rendered for people
     session.stage = progress.stage
     try:
         with progress:
@@ -112,7 +143,17 @@ def run_batch(items: list[Item], question: str, session: Session, *, console, js
                 progress.begin(item.key)
                 started = time.perf_counter()
                 try:
-                    result = session.answer(item, question)
+                    if questions is None:
+                        results = [session.answer(item, question)]
+                    else:
+                        wanted = [(q, a) for q, a in questions if not resume or (item.key, q) not in answered]
+                        results = session.answer_all(item, [q for q, _ in wanted], context=context)
+                        for result, (_, answers) in zip(results, wanted):
+                            if answers:
+                                from hybridkv_cli.bench import is_correct
+
+                                result["expected"] = list(answers)
+                                result["correct"] = is_correct(result["answer"], answers)
                 except (UsageError, ModelError):  # the same for every input: stop the run
                     raise
                 except Exception as e:
@@ -126,15 +167,19 @@ def run_batch(items: list[Item], question: str, session: Session, *, console, js
                                   highlight=False, soft_wrap=True)
                     progress.finish(item.key, False, time.perf_counter() - started)
                     continue
-                emit(result)
-                summary.ok += 1
-                if human is not None:
-                    from hybridkv_cli.report import render
+                for n, result in enumerate(results):
+                    emit(result)
+                    if n == len(results) - 1:  # the input is answered once its last line is written
+                        summary.ok += 1
+                    if human is not None:
+                        from hybridkv_cli.report import render
 
-                    if summary.ok > 1:
-                        human.print()
-                    human.print(f"[bold]── {escape(item.key)}[/bold]", highlight=False, soft_wrap=True)
-                    render(result, human)
+                        if shown:
+                            human.print()
+                        shown += 1
+                        title = item.key if len(results) == 1 else f"{item.key} · {result['question']}"
+                        human.print(f"[bold]── {escape(title)}[/bold]", highlight=False, soft_wrap=True)
+                        render(result, human)
                 progress.finish(item.key, True, time.perf_counter() - started)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.signals)
         summary.stopped_by = signals.signal_of(e)

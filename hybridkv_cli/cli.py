@@ -16,6 +16,12 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from hybridkv_cli.cli_options import (  # noqa: F401 - options and help texts of the commands
+    ARGS, MODEL, CONTEXT, BUDGET, WINDOW, THETA, TOPK, SHARE, CHUNK, SINK_AWARE, LANDMARK, REFRESH,
+    REFRESH_RATE, REFRESH_PERIOD, REFRESH_SLOTS, SINKS, PAGE_SIZE, ROUTE, HEAD_SCORES, FRAMES, FPS, DEFER,
+    MAX_PIXELS, DEVICE, DTYPE, JSON, DEBUG, QUIET, EACH, JSONL, OUTPUT, ASK_MODEL, QUESTION, QUESTIONS,
+    RESUME, ASK_HELP, BENCH_HELP, COMPRESS_HELP,
+)
 from hybridkv_cli.console import err, one_line_warnings, print_error, print_warning, quiet_libraries, status
 from hybridkv_cli.errors import HybridKVError, UsageError, one_line
 from hybridkv_cli.signals import describe, exit_code, signal_of, stop_on_signals
@@ -23,79 +29,6 @@ from hybridkv_cli.signals import describe, exit_code, signal_of, stop_on_signals
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Answer questions about videos and image sets with Qwen2.5-VL under a KV-cache budget.")
 _state = {"debug": False}
-
-# Options shared by `ask` and `profile`, declared once.
-ARGS = typer.Argument(..., metavar="MEDIA... QUESTION", help="A video, image files or a directory, then the question "
-                      "(with --context: the question only).")
-MODEL = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help="Hub id or local directory (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
-                     "LLaVA-OneVision), 'demo' (offline tiny video-QA model), 'demo-random[:qwen2vl|qwen3vl|llava-ov]', "
-                     "'smollm2' or a .gguf file (text models).")
-CONTEXT = typer.Option(None, "--context", metavar="FILE", help="Ask about the text in FILE instead of media "
-                       "(a text prompt: its tokens take the visual tokens' role); - reads stdin.")
-BUDGET = typer.Option(None, help="Device-resident prompt KV as a share of the full cache, in (0, 1] [default: 0.1; "
-                      "full: always 1].")
-WINDOW = typer.Option(None, min=1, help="Methods that score with the last prompt queries (hybridkv, rcr, snapkv, "
-                      "madakv, sparsemm): observation window, always kept [default: 32].")
-THETA = typer.Option(None, help="HybridKV θ: heads whose sparsity score is >= θ are static [default: 0.9].")
-TOPK = typer.Option(None, help="HybridKV p: the sparsity score is the attention mass on the top p·N tokens "
-                    "[default: 0.05].")
-SHARE = typer.Option(None, help="HybridKV r: a dynamic head's budget as a share of the average head budget "
-                     "[default: 0.75].")
-CHUNK = typer.Option(None, min=1, help="HybridKV: tokens per retrieval chunk [default: 16, or 8 where a dynamic "
-                     "head holds fewer than two chunks of 16].")
-SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: score heads without the first 4 "
-                          "tokens (attention sinks) [default: the method's].")
-LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: mean | minmax | detector "
-                        "[default: the method's].")
-REFRESH = typer.Option(None, help="hybridkv (static heads) / rcr: refresh while decoding: rcr | periodic | none "
-                       "[default: the method's].")
-REFRESH_RATE = typer.Option(None, min=0.0, max=1.0, help="rcr refresh: target share of layer-steps that "
-                            "re-select [default: 0.4].")
-REFRESH_PERIOD = typer.Option(None, min=1, help="periodic refresh: every T-th decode step [default: 3].")
-REFRESH_SLOTS = typer.Option(None, min=1, help="refresh: most entries per head that a refresh re-selects (c); the "
-                             "rest keep the prefill's best [default: 256].")
-SINKS = typer.Option(None, min=0, help="streamingllm: attention-sink tokens kept at the start [default: 4].")
-PAGE_SIZE = typer.Option(None, min=1, help="quest: tokens per page [default: 8].")
-ROUTE = typer.Option(None, metavar="FILE", help="route: the method of each layer, a JSON route file (`hybridkv "
-                     "route` builds one) or a pattern like hybridkv,snapkv repeated over the layers.")
-HEAD_SCORES = typer.Option(None, metavar="FILE", help='sparsemm: JSON {"scores": [[per KV head] per layer]} '
-                           "(offline head scores) instead of scores computed from the prompt.")
-FRAMES = typer.Option(64, help="Frames sampled uniformly from a video.")
-FPS = typer.Option(None, help="Sample frames at this rate instead of --frames.")
-DEFER = typer.Option(False, "--defer-question", help="Compress the cache before the question is read; the "
-                     "question then goes through the compressed cache (as a later question about an "
-                     "already-compressed video would).")
-MAX_PIXELS = typer.Option(None, help="Max pixels per frame/image (resized by Qwen2.5-VL's rules).")
-DEVICE = typer.Option("auto", help="auto | cuda | cpu")
-DTYPE = typer.Option("auto", help="auto | bfloat16 | float16 | float32")
-JSON = typer.Option(False, "--json", help="Print one JSON object on stdout (one input only).")
-DEBUG = typer.Option(False, help="Show tracebacks.")
-QUIET = typer.Option(False, "--quiet", "-q", help="No progress bar or status spinners on stderr (errors and "
-                     "warnings still show).")
-# Options of runs over many inputs (see hybridkv_cli/batch.py).
-EACH = typer.Option(False, "--each", help="Each media argument is its own input (a directory: each video/image "
-                    "file in it, natural order), all with the same question and one model load.")
-JSONL = typer.Option(False, "--jsonl", help="Print one JSON line per input on stdout as soon as it is done; a failed "
-                     'input gives {"input": PATH, "error": {"type": ..., "message": ...}}.')
-OUTPUT = typer.Option(None, "--output", "-o", metavar="FILE", help="Append the JSON lines to FILE (whole lines, "
-                      "fsynced one by one).")
-RESUME = typer.Option(False, "--resume", help="With --output: skip inputs already answered in FILE (failed ones "
-                      "are retried).")
-
-ASK_HELP = (
-    "Answer QUESTION about MEDIA, with latency, KV memory and head-classification reports.\n\n"
-    "MEDIA is a video, one or more image files (one image set), or a directory of images (one image set). "
-    "With --each every media argument is its own input (a directory: every video and image in it); with - the "
-    "paths are read from stdin, one per line (blank lines ignored), each its own input. The model is loaded once "
-    "for all inputs.\n\n"
-    "Output on stdout: a human report per input; --json: one JSON object (one input only); --jsonl: one JSON "
-    'line per input, a failed input as {"input": PATH, "error": {"type": ..., "message": ...}}. --output FILE '
-    "appends the same lines to FILE (stdout then stays empty unless --jsonl); --resume skips the inputs FILE "
-    "already answered (failed ones are retried). Progress, warnings and errors go to stderr.\n\n"
-    "Exit status: 0 every input answered; 1 an input failed (the others still ran) or the model did not load; "
-    "2 bad command line; "
-    "130 interrupted by Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (completed lines are kept)."
-)
 
 
 def _split_args(args: list[str] | None, context: str | None,
@@ -117,8 +50,10 @@ def _split_args(args: list[str] | None, context: str | None,
 
 @app.command(help=ASK_HELP)
 def ask(
-    args: list[str] = ARGS, model: str = MODEL,
-    method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`)."),
+    args: list[str] = ARGS, model: Optional[str] = ASK_MODEL,
+    method: Optional[str] = typer.Option(None, help="Compression method (see `hybridkv methods`) [default: "
+                                         "hybridkv; a .hkv input: the file's]."),
+    question_opt: Optional[list[str]] = QUESTION, questions_file: Optional[str] = QUESTIONS,
     budget: Optional[float] = BUDGET, window: Optional[int] = WINDOW, theta: Optional[float] = THETA,
     sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
@@ -138,20 +73,37 @@ def ask(
     from hybridkv_cli.inputs import Item, plan_inputs, read_context
     from hybridkv_cli.session import AskOptions, Session
 
+    from hybridkv_cli.multi_run import plan_questions, resolve_cache_inputs
+
     _state["debug"] = debug
-    paths, question = _split_args(args, context)
+    asked = plan_questions(question_opt, questions_file)
+    if asked is None:
+        paths, question = _split_args(args, context)
+        if "\n" not in question and len(question) < 4096 and os.path.exists(question):
+            print_warning(f"the question '{question}' is an existing path; the question comes last (MEDIA... QUESTION)")
+    else:
+        paths, question = list(args or []) if context is None else [], None
+        if context is not None and args:
+            raise UsageError("with --context and --question/--questions give no arguments", "arguments")
     if context is not None and (each or output is not None):
         raise UsageError("--context is one text input; --each and --output take media inputs", "--context")
-    if "\n" not in question and len(question) < 4096 and os.path.exists(question):
-        print_warning(f"the question '{question}' is an existing path; the question comes last (MEDIA... QUESTION)")
+    model, dtype, caches = resolve_cache_inputs(paths, model, dtype)
+    multi = asked is not None or caches  # one compression (or a .hkv file), one record per question
     options = AskOptions(
-        model=model, device=device, dtype=dtype, method=method, frames=frames, fps=fps, max_pixels=max_pixels,
-        max_new_tokens=max_new_tokens, defer_question=defer_question,
+        model=model, device=device, dtype=dtype, method=method or "hybridkv", method_given=method is not None,
+        frames=frames, fps=fps, max_pixels=max_pixels, max_new_tokens=max_new_tokens,
+        defer_question=defer_question or multi,
         method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
                             chunk_size=chunk_size, sink_aware=sink_aware, landmark=landmark, refresh=refresh,
                             refresh_rate=refresh_rate, refresh_period=refresh_period, refresh_slots=refresh_slots,
                             sinks=sinks, page_size=page_size, head_scores=head_scores, route=route),
     )
+    if multi:
+        from hybridkv_cli.multi_run import ask_questions
+
+        return ask_questions(Session(options, stage=status(quiet)), paths, asked or [(question, ())],
+                             context=context, each=each, caches=caches, as_json=as_json, jsonl=jsonl,
+                             output=output, resume=resume, quiet=quiet, debug=debug)
     session = Session(options, stage=status(quiet))  # refuses a bad method or option before any input is read
     batch = each or "-" in paths or jsonl or output is not None
     if as_json and jsonl:
@@ -243,17 +195,6 @@ def profile(
         render_profile(result, Console())
 
 
-BENCH_HELP = (
-    "Compare compression methods × budgets on MEDIA... QUESTION (one input) or on --tasks FILE.jsonl.\n\n"
-    "Every input runs once with the full cache (the reference) and once per method and budget, greedy, the same "
-    "--max-new-tokens for all. Per method and budget: accuracy (the expected answer occurs in the output), "
-    "fidelity (ROUGE-L F1 vs the full-cache output), device KV ratio, ms/token and host->device traffic per step. "
-    'Task rows: {"id"?, "question", "answer"?, "context"? | "media"?}: the answer a string or a list of them, '
-    "the media a path or a list of paths (relative to the file). See docs/bench.md.\n\n"
-    "Exit status: 0 every run completed; 1 a run failed (the others still ran); 2 bad command line or task file."
-)
-
-
 @app.command(help=BENCH_HELP)
 def bench(
     args: Optional[list[str]] = typer.Argument(None, metavar="MEDIA... QUESTION",
@@ -273,6 +214,9 @@ def bench(
     max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per run (greedy)."),
     defer_question: bool = DEFER,
+    per_video: bool = typer.Option(False, "--per-video", help="Questions about the same media share one "
+                                   "compression per method and budget (each answered from a copy of it, as a "
+                                   "deferred question: the answers of --defer-question, in less time)."),
     out: Optional[Path] = typer.Option(None, help="Directory for bench.csv, bench.json and bench.png."),
     device: str = DEVICE, dtype: str = DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print the JSON (config, aggregates, items), not the table."),
@@ -300,7 +244,8 @@ def bench(
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens,
                                  defer_question=defer_question), stage=status(quiet))
     session.model()
-    result = run_bench(session, inputs, names, sweep, console=err, quiet=quiet, debug=debug, **options)
+    result = run_bench(session, inputs, names, sweep, console=err, quiet=quiet, debug=debug, per_video=per_video,
+                       **options)
     if out is not None:
         err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
     if as_json:
@@ -308,6 +253,48 @@ def bench(
     else:
         render_bench(result, Console())
     return 1 if any(row["errors"] for row in result["aggregates"]) else 0
+
+
+@app.command(help=COMPRESS_HELP)
+def compress(
+    args: list[str] = typer.Argument(..., metavar="MEDIA...", help="A video, image files or a directory."),
+    output: Path = typer.Option(..., "--output", "-o", metavar="FILE.hkv|DIR", help="The cache file (--each or "
+                                "several inputs: a folder)."),
+    model: str = MODEL,
+    method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`)."),
+    budget: Optional[float] = BUDGET, window: Optional[int] = WINDOW, theta: Optional[float] = THETA,
+    sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
+    sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
+    refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
+    refresh_slots: Optional[int] = REFRESH_SLOTS,
+    sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
+    head_scores: Optional[str] = HEAD_SCORES, frames: int = FRAMES, fps: Optional[float] = FPS,
+    max_pixels: Optional[int] = MAX_PIXELS, device: str = DEVICE, dtype: str = DTYPE,
+    each: bool = EACH, jsonl: bool = typer.Option(False, "--jsonl", help="One JSON line per input on stdout "
+                                                  "(its cache file and sizes, or its error)."),
+    resume: bool = typer.Option(False, "--resume", help="Skip inputs whose cache file already exists."),
+    quiet: bool = QUIET, debug: bool = DEBUG,
+):
+    from hybridkv_cli.inputs import plan_inputs
+    from hybridkv_cli.multi_run import run_compress
+    from hybridkv_cli.session import AskOptions, Session
+
+    _state["debug"] = debug
+    options = AskOptions(
+        model=model, device=device, dtype=dtype, method=method, frames=frames, fps=fps, max_pixels=max_pixels,
+        defer_question=True,
+        method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
+                            chunk_size=chunk_size, sink_aware=sink_aware, landmark=landmark, refresh=refresh,
+                            refresh_rate=refresh_rate, refresh_period=refresh_period, refresh_slots=refresh_slots,
+                            sinks=sinks, page_size=page_size, head_scores=head_scores),
+    )
+    session = Session(options, stage=status(quiet))
+    items = plan_inputs(list(args), each=each, stdin=sys.stdin)
+    if not items:
+        print_warning("no inputs; nothing to do")
+        return 0
+    return run_compress(session, items, output, each=each, resume=resume, console=err, quiet=quiet, debug=debug,
+                        jsonl=sys.stdout if jsonl else None)
 
 
 @app.command()
@@ -325,26 +312,19 @@ def route(
     """Build a route for `--method route`: per layer, the method that loses least when only that
     layer is compressed (layers x methods x tasks generations)."""
     from hybridkv_cli.bench import parse_methods, read_tasks
-    from hybridkv_cli.compression import make_policy
     from hybridkv_cli.routing import build_route
     from hybridkv_cli.session import AskOptions, Session
 
     _state["debug"] = debug
     candidates = [m for m in parse_methods(methods) if m != "route"]
-    for name in candidates:
-        make_policy(name, budget=budget)  # refuses a bad budget or method before the model loads
     inputs = read_tasks(tasks)
     session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens,
                                  defer_question=defer_question), stage=status(quiet))
     with (nullcontext() if quiet else err.status("profiling layers ...")) as spinner:
-        built, profile = build_route(session, inputs, candidates, budget,
-                                     on_run=lambda label: spinner and spinner.update(f"profiling: {label} ..."))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(built, indent=1))
-    beside = output.with_suffix(".profile.json")
-    beside.write_text(json.dumps(profile, indent=1))
-    err.print(f"wrote {output} and {beside}: {', '.join(built['layers'])}", highlight=False, soft_wrap=True)
+        built = build_route(session, inputs, candidates, budget, output,
+                            on_run=lambda label: spinner and spinner.update(f"profiling: {label} ..."))
+    err.print(f"wrote {output} and its profile: {', '.join(built['layers'])}", highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -29,3 +29,41 @@ def clean_question(question: str) -> str:
         raise UsageError("the question is empty" + (" (after removing control characters)" if question.strip() else ""),
                          "QUESTION")
     return q
+
+
+def read_questions(path: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The questions of a ``--questions`` file: ``(question, expected answers)`` in order.
+
+    One question per line (blank lines ignored), or JSON lines ``{"question": ..., "answer": ...}``
+    (the answer optional, a string or a list of strings; a file whose first non-blank line starts
+    with ``{`` is read as JSON lines). Every question is cleaned (:func:`clean_question`); a bad
+    line is a :class:`UsageError` naming the file and line."""
+    import json
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise UsageError("no such file", path) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read ({getattr(e, 'strerror', None) or e})", path) from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise UsageError("no questions in the file", path)
+    as_json = lines[0][1].lstrip().startswith("{")
+    out = []
+    for n, line in lines:
+        if not as_json:
+            out.append((clean_question(line), ()))
+            continue
+        try:
+            row = json.loads(line)
+            question = row["question"]
+            answer = row.get("answer", ())
+            answers = (answer,) if isinstance(answer, str) else tuple(answer)
+            if not isinstance(question, str) or not all(isinstance(a, str) for a in answers):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise UsageError(f"line {n}: expected {{\"question\": TEXT, \"answer\"?: TEXT or [TEXT]}}", path) from None
+        out.append((clean_question(question), answers))
+    return out

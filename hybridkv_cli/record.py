@@ -105,3 +105,20 @@ def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, q
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "note": note(loaded),
     }
+
+
+def prefix_record(record: dict, prefix, prompt: Prompt, *, index: int, of: int, cache_file: str | None) -> dict:
+    """``record`` (one question answered from a compressed prefix, ``multi.answer``) with the
+    input the prefix was compressed from and the shared work: ``shared.prefill_s``, the one
+    prefill + compression of the media, is given on the first question's record only (None on
+    the others; from a ``.hkv`` file: the time it took when it was compressed), and ``prefill_s``
+    is this question's own time to its first token."""
+    record["input"] = {**prefix.info, "text_tokens": prompt.text_tokens}
+    record["shared"] = {
+        "questions": of,
+        "index": index,
+        "prefill_s": prefix.prefill_s if index == 0 else None,
+        "compress_s": prefix.compress_seconds if index == 0 else None,
+        "from_cache_file": cache_file,
+    }
+    return record

@@ -18,12 +18,16 @@ from hybridkv_cli.compression import make_policy
 from hybridkv_cli.fidelity import rouge_l
 
 
-def build_route(session, tasks: list[Task], methods: list[str], budget: float, on_run=None) -> tuple[dict, dict]:
-    """(route, profile): the route file's content and the per-layer, per-method scores.
+def build_route(session, tasks: list[Task], methods: list[str], budget: float, output: Path,
+                on_run=None) -> dict:
+    """Write the route to ``output`` and the per-layer, per-method scores beside it
+    (``ROUTE.profile.json``); returns the route.
 
     ``session`` answers the tasks (its model, frames and ``max_new_tokens``); ``on_run(label)``
     is called before each generation (progress).
     """
+    for name in methods:  # a bad budget or method is refused before the model loads
+        make_policy(name, budget=budget)
     num_layers = session.model().model.config.get_text_config().num_hidden_layers
     prepared = [session.prepare(session.load_media(t.media) if t.media else None, t.question,
                                 context=t.context, source=t.id) for t in tasks]
@@ -48,7 +52,11 @@ def build_route(session, tasks: list[Task], methods: list[str], budget: float, o
         best = max(methods, key=lambda m: (_key(row[m]), -methods.index(m)))
         route.append(best)
         profile["per_layer"].append({"layer": layer, "best": best, **row})
-    return {"layers": route, "budget": budget, "built_from": profile["tasks"]}, profile
+    built = {"layers": route, "budget": budget, "built_from": profile["tasks"]}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(built, indent=1))
+    output.with_suffix(".profile.json").write_text(json.dumps(profile, indent=1))
+    return built
 
 
 def _summary(runs: list[tuple]) -> dict:

@@ -29,7 +29,8 @@ from hybridkv_cli.inputs import Item
 from hybridkv_cli.loaded import LoadedModel
 from hybridkv_cli.media import MediaInput, load_media
 from hybridkv_cli.prompt import Prompt, build_prompt, build_text_prompt
-from hybridkv_cli.record import make_record
+from hybridkv_cli.multi import TEMPLATE_QUESTION, CompressedPrefix, QuestionTemplate, answer, compress_prefix
+from hybridkv_cli.record import input_record, make_record, prefix_record
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class AskOptions:
     max_pixels: int | None = None
     max_new_tokens: int = 128
     defer_question: bool = False  # compress before the question is read (generation.generate)
+    method_given: bool = True  # --method was given (a .hkv input with another method is refused)
 
 
 @dataclass
@@ -144,6 +146,78 @@ class Session:
         media = self.load_media(item.paths) if item.paths else None
         prepared = self.prepare(media, question, context=context, source=item.key if item.paths else None)
         return self.run(prepared, self.policy)
+
+    # --- one compression, many questions (multi.py, hkv.py) ------------------------------------
+    def compress(self, item: Item, context: str | None = None) -> CompressedPrefix:
+        """``item``'s prefix (media, or the text ``context``) prefilled and compressed once, with
+        no question read; a ``.hkv`` item is loaded from its file instead."""
+        from hybridkv_cli import hkv
+
+        if item.error is not None:
+            raise item.error
+        if item.paths and len(item.paths) == 1 and hkv.is_cache_path(item.paths[0]):
+            return self.load_cache(item.paths[0])
+        media = self.load_media(item.paths) if item.paths else None
+        return self.compress_media(media, context=context, source=item.key if item.paths else None)
+
+    def compress_media(self, media: MediaInput | None, *, context: str | None = None, source: str | None = None,
+                       policy: Policy | None = None) -> CompressedPrefix:
+        """``media`` (None: the text ``context``) prefilled and compressed with ``policy`` (default:
+        the session's), no question read."""
+        policy = policy or self.policy
+        prepared = self.prepare(media, TEMPLATE_QUESTION, context=context, source=source)
+        loaded = self.model()
+        template = QuestionTemplate.of(loaded.tokenizer, prepared.prompt, prepared.question)
+        with self.stage(f"compressing ({policy.name}, budget {policy.budget:g}) ..."):
+            prefix = self._guarded(prepared.source, compress_prefix, loaded.model, prepared.prompt, policy,
+                                   template)
+        info = input_record(media, prepared.prompt)
+        info.pop("text_tokens", None)  # the question's: set per record
+        prefix.info = info
+        return prefix
+
+    def load_cache(self, path: str) -> CompressedPrefix:
+        """The compressed prefix saved in the ``.hkv`` file ``path`` (a :class:`CacheFileError` if
+        it is not one, or not for this model, dtype, method or its options)."""
+        from hybridkv_cli import hkv
+
+        o = self.options
+        header = hkv.read_header(path)
+        hkv.check_header(header, self.model(), path, o.method if o.method_given else None)
+        stored = header.get("options") or {}
+        for key, value in o.method_options.items():
+            if value is not None and key in stored and stored[key] != value:
+                flag = "--" + key.replace("_", "-")
+                raise hkv.CacheFileError(f"compressed with {flag} {stored[key]}, not {value}; drop {flag} or "
+                                         "compress again", path)
+        with self.stage("loading the compressed cache ..."):
+            return self._guarded(path, hkv.load, path, self.model(), o.method if o.method_given else None)
+
+    def ask_prefix(self, prefix: CompressedPrefix, question: str, *, index: int = 0, of: int = 1,
+                   source: str = "", cache_file: str | None = None) -> dict:
+        """The record of ``question`` answered from a fresh copy of ``prefix``."""
+        loaded, o = self.model(), self.options
+        suffix = prefix.template.suffix(loaded.tokenizer, question)
+        limit = loaded.context_limit
+        if limit and prefix.seen + len(suffix) + o.max_new_tokens > limit:
+            raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {o.max_new_tokens} new, "
+                                     f"more than the model's context of {limit} tokens", source)
+        with self.stage(f"answering question {index + 1} of {of} ..."):
+            generation, prompt = self._guarded(source, answer, loaded.model, prefix, suffix, o.max_new_tokens)
+        record = make_record(loaded, None, prompt, question, prefix.policy, generation, True)
+        return prefix_record(record, prefix, prompt, index=index, of=of, cache_file=cache_file)
+
+    def answer_all(self, item: Item, questions: list[str], context: str | None = None) -> list[dict]:
+        """One record per question about ``item``, compressed once (a ``.hkv`` item: loaded)."""
+        from hybridkv_cli import hkv
+
+        prefix = self.compress(item, context=context)
+        cache_file = item.paths[0] if item.paths and hkv.is_cache_path(item.paths[0]) else None
+        if cache_file is not None:
+            prefix.info = {**prefix.info, "media_label": prefix.info.get("label"), "label": item.key}
+        return [self.ask_prefix(prefix, q, index=i, of=len(questions), source=item.key if item.paths else "--context",
+                                cache_file=cache_file)
+                for i, q in enumerate(questions)]
 
     @staticmethod
     def _guarded(source: str, step, *args, **kwargs):

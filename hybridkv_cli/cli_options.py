@@ -1,0 +1,114 @@
+"""The command line's shared options and help texts (declared once, used by :mod:`hybridkv_cli.cli`)."""
+
+from __future__ import annotations
+
+import typer
+
+# Options shared by `ask` and `profile`, declared once.
+ARGS = typer.Argument(..., metavar="MEDIA... QUESTION", help="A video, image files or a directory, then the question "
+                      "(with --context: the question only).")
+MODEL_HELP = ("Hub id or local directory (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision), 'demo' (offline tiny "
+              "video-QA model), 'demo-random[:qwen2vl|qwen3vl|llava-ov]', 'smollm2' or a .gguf file (text models)")
+MODEL = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help=MODEL_HELP + ".")
+CONTEXT = typer.Option(None, "--context", metavar="FILE", help="Ask about the text in FILE instead of media "
+                       "(a text prompt: its tokens take the visual tokens' role); - reads stdin.")
+BUDGET = typer.Option(None, help="Device-resident prompt KV as a share of the full cache, in (0, 1] [default: 0.1; "
+                      "full: always 1].")
+WINDOW = typer.Option(None, min=1, help="Methods that score with the last prompt queries (hybridkv, rcr, snapkv, "
+                      "madakv, sparsemm): observation window, always kept [default: 32].")
+THETA = typer.Option(None, help="HybridKV θ: heads whose sparsity score is >= θ are static [default: 0.9].")
+TOPK = typer.Option(None, help="HybridKV p: the sparsity score is the attention mass on the top p·N tokens "
+                    "[default: 0.05].")
+SHARE = typer.Option(None, help="HybridKV r: a dynamic head's budget as a share of the average head budget "
+                     "[default: 0.75].")
+CHUNK = typer.Option(None, min=1, help="HybridKV: tokens per retrieval chunk [default: 16, or 8 where a dynamic "
+                     "head holds fewer than two chunks of 16].")
+SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: score heads without the first 4 "
+                          "tokens (attention sinks) [default: the method's].")
+LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: mean | minmax | detector "
+                        "[default: the method's].")
+REFRESH = typer.Option(None, help="hybridkv (static heads) / rcr: refresh while decoding: rcr | periodic | none "
+                       "[default: the method's].")
+REFRESH_RATE = typer.Option(None, min=0.0, max=1.0, help="rcr refresh: target share of layer-steps that "
+                            "re-select [default: 0.4].")
+REFRESH_PERIOD = typer.Option(None, min=1, help="periodic refresh: every T-th decode step [default: 3].")
+REFRESH_SLOTS = typer.Option(None, min=1, help="refresh: most entries per head that a refresh re-selects (c); the "
+                             "rest keep the prefill's best [default: 256].")
+SINKS = typer.Option(None, min=0, help="streamingllm: attention-sink tokens kept at the start [default: 4].")
+PAGE_SIZE = typer.Option(None, min=1, help="quest: tokens per page [default: 8].")
+ROUTE = typer.Option(None, metavar="FILE", help="route: the method of each layer, a JSON route file (`hybridkv "
+                     "route` builds one) or a pattern like hybridkv,snapkv repeated over the layers.")
+HEAD_SCORES = typer.Option(None, metavar="FILE", help='sparsemm: JSON {"scores": [[per KV head] per layer]} '
+                           "(offline head scores) instead of scores computed from the prompt.")
+FRAMES = typer.Option(64, help="Frames sampled uniformly from a video.")
+FPS = typer.Option(None, help="Sample frames at this rate instead of --frames.")
+DEFER = typer.Option(False, "--defer-question", help="Compress the cache before the question is read; the "
+                     "question then goes through the compressed cache (as a later question about an "
+                     "already-compressed video would).")
+MAX_PIXELS = typer.Option(None, help="Max pixels per frame/image (resized by Qwen2.5-VL's rules).")
+DEVICE = typer.Option("auto", help="auto | cuda | cpu")
+DTYPE = typer.Option("auto", help="auto | bfloat16 | float16 | float32")
+JSON = typer.Option(False, "--json", help="Print one JSON object on stdout (one input only).")
+DEBUG = typer.Option(False, help="Show tracebacks.")
+QUIET = typer.Option(False, "--quiet", "-q", help="No progress bar or status spinners on stderr (errors and "
+                     "warnings still show).")
+# Options of runs over many inputs (see hybridkv_cli/batch.py).
+EACH = typer.Option(False, "--each", help="Each media argument is its own input (a directory: each video/image "
+                    "file in it, natural order), all with the same question and one model load.")
+JSONL = typer.Option(False, "--jsonl", help="Print one JSON line per input on stdout as soon as it is done; a failed "
+                     'input gives {"input": PATH, "error": {"type": ..., "message": ...}}.')
+OUTPUT = typer.Option(None, "--output", "-o", metavar="FILE", help="Append the JSON lines to FILE (whole lines, "
+                      "fsynced one by one).")
+ASK_MODEL = typer.Option(None, help=MODEL_HELP + " [default: Qwen/Qwen2.5-VL-7B-Instruct; .hkv inputs: the "
+                         "file's model].")
+QUESTION = typer.Option(None, "--question", "-Q", metavar="TEXT", help="A question (repeat for several): the "
+                        "arguments are then all media; the media is compressed once and every question answered "
+                        "from that compressed cache (as --defer-question does), one record each.")
+QUESTIONS = typer.Option(None, "--questions", metavar="FILE", help="Questions, one per line, or JSON lines "
+                         '{"question": ..., "answer"?: ...} (an answer adds "expected" and "correct" to the record); '
+                         "asked like repeated --question.")
+RESUME = typer.Option(False, "--resume", help="With --output: skip inputs already answered in FILE (failed ones "
+                      "are retried).")
+
+ASK_HELP = (
+    "Answer QUESTION about MEDIA, with latency, KV memory and head-classification reports.\n\n"
+    "MEDIA is a video, one or more image files (one image set), or a directory of images (one image set). "
+    "With --each every media argument is its own input (a directory: every video and image in it); with - the "
+    "paths are read from stdin, one per line (blank lines ignored), each its own input. The model is loaded once "
+    "for all inputs.\n\n"
+    "Several questions: -Q/--question (repeat) or --questions FILE; the arguments are then all media, each "
+    "compressed once and every question answered from that compressed cache (one record per question). A .hkv "
+    "file (`hybridkv compress`) is a saved compressed cache: `hybridkv ask clip.hkv QUESTION` answers without the "
+    "media, with the file's model, dtype and method.\n\n"
+    "Output on stdout: a human report per input; --json: one JSON object (one input only); --jsonl: one JSON "
+    'line per input, a failed input as {"input": PATH, "error": {"type": ..., "message": ...}}. --output FILE '
+    "appends the same lines to FILE (stdout then stays empty unless --jsonl); --resume skips the inputs FILE "
+    "already answered (failed ones are retried). Progress, warnings and errors go to stderr.\n\n"
+    "Exit status: 0 every input answered; 1 an input failed (the others still ran) or the model did not load; "
+    "2 bad command line; "
+    "130 interrupted by Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (completed lines are kept)."
+)
+
+
+BENCH_HELP = (
+    "Compare compression methods × budgets on MEDIA... QUESTION (one input) or on --tasks FILE.jsonl.\n\n"
+    "Every input runs once with the full cache (the reference) and once per method and budget, greedy, the same "
+    "--max-new-tokens for all. Per method and budget: accuracy (the expected answer occurs in the output), "
+    "fidelity (ROUGE-L F1 vs the full-cache output), device KV ratio, ms/token and host->device traffic per step. "
+    'Task rows: {"id"?, "question", "answer"?, "context"? | "media"?}: the answer a string or a list of them, '
+    "the media a path or a list of paths (relative to the file). See docs/bench.md.\n\n"
+    "Exit status: 0 every run completed; 1 a run failed (the others still ran); 2 bad command line or task file."
+)
+
+
+COMPRESS_HELP = (
+    "Prefill and compress MEDIA once (no question) and save the compressed cache to a .hkv file, to be asked "
+    "later with `hybridkv ask FILE.hkv QUESTION` (or many questions: -Q, --questions) without decoding or "
+    "encoding the media again.\n\n"
+    "MEDIA is a video, image files (one image set) or a directory of images; with --each every argument is its "
+    "own input (a directory: every video and image in it) and -o names a folder that gets NAME.hkv per input. "
+    "--resume skips inputs whose cache file already exists. The file (safetensors, written atomically) holds the "
+    "method and its options and the model it was made with; `ask` refuses it with another model, dtype, method "
+    "or hybridkv version.\n\n"
+    "Exit status: 0 every input compressed; 1 an input failed (the others still ran); 2 bad command line."
+)

@@ -1,0 +1,186 @@
+"""One compression, many questions: every method's answers from one compressed prefix equal
+separate --defer-question runs, in any order (nothing of one question reaches the next); the
+CLI's -Q / --questions give one record per question with the shared prefill reported once."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridkv_cli import cli
+from hybridkv_cli.compression import METHODS, make_policy
+from hybridkv_cli.generation import generate
+from hybridkv_cli.media import load_media
+from hybridkv_cli.multi import TEMPLATE_QUESTION, QuestionTemplate, answer, compress_prefix
+from hybridkv_cli.prompt import build_prompt, build_text_prompt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from media_fixtures import make_video  # noqa: E402
+
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_media" / "shapes.mp4"
+QUESTIONS = ["What happens in the video?", "What colour is the square?", "How many shapes are there?"]
+NEW = 8
+FAST = ["--model", "demo", "--frames", "4", "--max-pixels", str(28 * 28 * 6), "--max-new-tokens", "3"]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from hybridkv_cli.demo import build_demo
+
+    return build_demo()
+
+
+@pytest.fixture(scope="module")
+def video():
+    return load_media([SAMPLE], frames=16)
+
+
+@pytest.fixture(autouse=True)
+def cached_demo(demo, monkeypatch):
+    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: demo)
+
+
+def deferred(demo, video, question, method):
+    prompt = build_prompt(demo.processor, video, question)
+    return generate(demo.model, prompt, make_policy(method), max_new_tokens=NEW, defer_question=True).tokens
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_question_equals_its_own_deferred_run(demo, video, method):
+    tok = demo.processor.tokenizer
+    template_prompt = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
+    template = QuestionTemplate.of(tok, template_prompt, TEMPLATE_QUESTION)
+    prefix = compress_prefix(demo.model, template_prompt, make_policy(method), template)
+    expected = {q: deferred(demo, video, q, method) for q in QUESTIONS}
+    # Order and repetition must not matter: each question starts from the same compressed state.
+    for q in [*QUESTIONS, QUESTIONS[0], *reversed(QUESTIONS)]:
+        suffix = template.suffix(tok, q)
+        full_ids = build_prompt(demo.processor, video, q).inputs["input_ids"][0].tolist()
+        assert full_ids[prefix.seen:] == suffix  # the prompt is token for token the one a separate run builds
+        generation, prompt = answer(demo.model, prefix, suffix, max_new_tokens=NEW)
+        assert prompt.inputs["input_ids"][0].tolist() == full_ids
+        assert generation.tokens == expected[q], (method, q)
+        assert generation.device_bytes_after_prefill == prefix.device_bytes
+    assert len({tuple(v) for v in expected.values()}) > 1 or method in ("hybridkv", "rcr")  # not one constant answer
+
+
+def test_the_snapshot_is_not_touched_by_answering(demo, video):
+    """The compressed state a prefix keeps is copied per question: decoding grows the copy only."""
+    tok = demo.processor.tokenizer
+    p = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
+    template = QuestionTemplate.of(tok, p, TEMPLATE_QUESTION)
+    prefix = compress_prefix(demo.model, p, make_policy("hybridkv", budget=0.2), template)
+    stores = [kv for kv in prefix.state[0]]
+    before = [kv.device_bytes() for kv in stores]
+    generation, _ = answer(demo.model, prefix, template.suffix(tok, QUESTIONS[0]), max_new_tokens=NEW)
+    assert [kv.device_bytes() for kv in stores] == before
+    assert generation.cache.device_bytes() > sum(before)  # the copy holds the question and answer tokens
+    assert all(a is not b for a, b in zip(stores, [layer.kv for layer in generation.cache.layers]))
+
+
+def test_text_context_prefix(demo):
+    """A text prompt (--context) compresses its context once the same way."""
+    tok = demo.processor.tokenizer
+    context = "The red square moves left. The blue circle stays. " * 6
+    p = build_text_prompt(tok, context, TEMPLATE_QUESTION)
+    template = QuestionTemplate.of(tok, p, TEMPLATE_QUESTION)
+    prefix = compress_prefix(demo.model, p, make_policy("snapkv", budget=0.3), template)
+    for q in QUESTIONS[:2]:
+        ref = generate(demo.model, build_text_prompt(tok, context, q), make_policy("snapkv", budget=0.3),
+                       max_new_tokens=NEW, defer_question=True).tokens
+        assert answer(demo.model, prefix, template.suffix(tok, q), max_new_tokens=NEW)[0].tokens == ref
+
+
+# --- the command line ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    return make_video(tmp_path_factory.mktemp("clip") / "clip.mp4", n=8)
+
+
+def lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_cli_questions_one_record_each_equal_to_separate_runs(clip, capsys):
+    assert cli.run(["ask", str(clip), "-Q", QUESTIONS[0], "--question", QUESTIONS[1], "--jsonl", "--quiet",
+                    *FAST]) == 0
+    records = lines(capsys.readouterr().out)
+    assert [r["question"] for r in records] == QUESTIONS[:2]
+    assert [r["shared"]["index"] for r in records] == [0, 1]
+    assert records[0]["shared"]["prefill_s"] > 0 and records[1]["shared"]["prefill_s"] is None  # reported once
+    assert all(r["defer_question"] and r["prefill_s"] > 0 for r in records)
+    for r in records:
+        assert cli.run(["ask", str(clip), r["question"], "--defer-question", "--json", "--quiet", *FAST]) == 0
+        single = json.loads(capsys.readouterr().out)
+        assert single["answer"] == r["answer"] and single["decode"]["tokens"] == r["decode"]["tokens"]
+        assert single["kv"]["device_bytes_after_prefill"] == r["kv"]["device_bytes_after_prefill"]
+        assert single["input"] == r["input"]
+
+
+def test_cli_questions_file_jsonl_with_answers(clip, tmp_path, capsys):
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text(json.dumps({"question": QUESTIONS[0], "answer": ["zzz-never"]}) + "\n\n"
+                     + json.dumps({"question": QUESTIONS[2]}) + "\n")
+    assert cli.run(["ask", str(clip), "--questions", str(qfile), "--jsonl", "--quiet", *FAST]) == 0
+    records = lines(capsys.readouterr().out)
+    assert [r["question"] for r in records] == [QUESTIONS[0], QUESTIONS[2]]
+    assert records[0]["expected"] == ["zzz-never"] and records[0]["correct"] is False
+    assert "expected" not in records[1]
+    plain = tmp_path / "q.txt"
+    plain.write_text(f"{QUESTIONS[1]}\n\n{QUESTIONS[2]}\n")
+    assert cli.run(["ask", str(clip), "--questions", str(plain), "--jsonl", "--quiet", *FAST]) == 0
+    assert [r["question"] for r in lines(capsys.readouterr().out)] == [QUESTIONS[1], QUESTIONS[2]]
+
+
+def test_cli_questions_file_errors(clip, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "ok?"}\n{"nope": 1}\n')
+    assert cli.run(["ask", str(clip), "--questions", str(bad), *FAST]) == 2
+    assert capsys.readouterr().err == f"error: {bad}: line 2: expected {{\"question\": TEXT, \"answer\"?: TEXT or [TEXT]}}\n"
+    assert cli.run(["ask", str(clip), "--questions", str(tmp_path / "none.txt"), *FAST]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_questions_resume_per_question(clip, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert cli.run(["ask", str(clip), "-Q", QUESTIONS[0], "-o", str(out), "--quiet", *FAST]) == 0
+    assert cli.run(["ask", str(clip), "-Q", QUESTIONS[0], "-Q", QUESTIONS[1], "-o", str(out), "--resume",
+                    "--quiet", *FAST]) == 0
+    records = lines(out.read_text())
+    assert [r["question"] for r in records] == [QUESTIONS[0], QUESTIONS[1]]  # the first not asked again
+    assert cli.run(["ask", str(clip), "-Q", QUESTIONS[0], "-Q", QUESTIONS[1], "-o", str(out), "--resume",
+                    *FAST]) == 0
+    assert len(lines(out.read_text())) == 2
+    assert "skipping 1 input" in capsys.readouterr().err
+
+
+# --- bench --per-video ------------------------------------------------------------------------------
+def test_bench_per_video_equals_one_by_one_deferred(clip, tmp_path, capsys):
+    images = Path(__file__).resolve().parents[1] / "sample_media" / "images"
+    rows = [{"id": f"v{i}", "media": str(clip), "question": q, "answer": a}
+            for i, (q, a) in enumerate(zip(QUESTIONS, ["square", "red", "two"]))]
+    rows.insert(1, {"id": "img", "media": [str(images / "red_circle.png"), str(images / "blue_square.jpg")],
+                    "question": "Which shape?", "answer": "circle"})
+    rows.append({"id": "img2", "media": [str(images / "red_circle.png"), str(images / "blue_square.jpg")],
+                 "question": "Which colour?", "answer": "red"})
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    common = ["bench", "--tasks", str(tasks), "--methods", "hybridkv,snapkv,quest", "--budgets", "0.1,1.0",
+              "--json", "-q", *FAST]
+    assert cli.run([*common, "--defer-question"]) == 0
+    one_by_one = json.loads(capsys.readouterr().out)
+    assert cli.run([*common, "--per-video"]) == 0
+    grouped = json.loads(capsys.readouterr().out)
+    assert grouped["config"]["options"]["per_video"] is True
+    assert len(grouped["items"]) == len(one_by_one["items"]) == 5 * 7
+    for a, b in zip(one_by_one["items"], grouped["items"]):
+        assert (a["id"], a["method"], a["budget"]) == (b["id"], b["method"], b["budget"])
+        assert (a["answer"], a["correct"], a["fidelity"], a["error"]) == (b["answer"], b["correct"], b["fidelity"],
+                                                                          b["error"])
+        assert a["kv_ratio"] == pytest.approx(b["kv_ratio"])
+    for a, b in zip(one_by_one["aggregates"], grouped["aggregates"]):
+        assert (a["method"], a["budget"], a["accuracy"], a["fidelity"]) == (b["method"], b["budget"], b["accuracy"],
+                                                                            b["fidelity"])
