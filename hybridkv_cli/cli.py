@@ -20,7 +20,7 @@ from hybridkv_cli.cli_options import (  # noqa: F401 - options and help texts of
     ARGS, MODEL, CONTEXT, BUDGET, WINDOW, THETA, TOPK, SHARE, CHUNK, SINK_AWARE, LANDMARK, REFRESH,
     REFRESH_RATE, REFRESH_PERIOD, REFRESH_SLOTS, SINKS, PAGE_SIZE, ROUTE, HEAD_SCORES, FRAMES, FPS, DEFER,
     MAX_PIXELS, DEVICE, DTYPE, JSON, DEBUG, QUIET, EACH, JSONL, OUTPUT, ASK_MODEL, QUESTION, QUESTIONS,
-    RESUME, ASK_HELP, BENCH_HELP, COMPRESS_HELP,
+    RESUME, ASK_HELP, BENCH_HELP, COMPRESS_HELP, METHOD_OPTIONS,
 )
 from hybridkv_cli.console import err, one_line_warnings, print_error, print_warning, quiet_libraries, status
 from hybridkv_cli.errors import HybridKVError, UsageError, one_line
@@ -29,6 +29,11 @@ from hybridkv_cli.signals import describe, exit_code, signal_of, stop_on_signals
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Answer questions about videos and image sets with Qwen2.5-VL under a KV-cache budget.")
 _state = {"debug": False}
+
+
+def _method_options(values: dict) -> dict:
+    """The method options among a command's parameters (None: not given)."""
+    return {k: values[k] for k in METHOD_OPTIONS if k in values}
 
 
 def _split_args(args: list[str] | None, context: str | None,
@@ -69,6 +74,7 @@ def ask(
     output: Optional[Path] = OUTPUT, resume: bool = RESUME, quiet: bool = QUIET, debug: bool = DEBUG,
     context: Optional[str] = CONTEXT,
 ):
+    given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.batch import run_batch
     from hybridkv_cli.inputs import Item, plan_inputs, read_context
     from hybridkv_cli.session import AskOptions, Session
@@ -93,10 +99,7 @@ def ask(
         model=model, device=device, dtype=dtype, method=method or "hybridkv", method_given=method is not None,
         frames=frames, fps=fps, max_pixels=max_pixels, max_new_tokens=max_new_tokens,
         defer_question=defer_question or multi,
-        method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
-                            chunk_size=chunk_size, sink_aware=sink_aware, landmark=landmark, refresh=refresh,
-                            refresh_rate=refresh_rate, refresh_period=refresh_period, refresh_slots=refresh_slots,
-                            sinks=sinks, page_size=page_size, head_scores=head_scores, route=route),
+        method_options=given,
     )
     if multi:
         from hybridkv_cli.multi_run import ask_questions
@@ -160,6 +163,7 @@ def profile(
     context: Optional[str] = CONTEXT,
 ):
     """Per-head sparsity and classes, the budget allocation, and a budget sweep with fidelity."""
+    given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.bench import parse_budgets
     from hybridkv_cli.compression import make_policy
     from hybridkv_cli.inputs import Item, read_context
@@ -169,9 +173,7 @@ def profile(
 
     _state["debug"] = debug
     sweep = tuple(parse_budgets(budgets))
-    options = dict(window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
-                   sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
-                   refresh_period=refresh_period, refresh_slots=refresh_slots)
+    options = {k: v for k, v in given.items() if k != "budget"}
     make_policy("hybridkv", budget=budget, **options)  # refuses bad values before the model loads
     paths, question = _split_args(args, context)
     session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
@@ -222,6 +224,7 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="Print the JSON (config, aggregates, items), not the table."),
     quiet: bool = QUIET, debug: bool = DEBUG,
 ):
+    given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.bench import Task, method_options, parse_budgets, parse_methods, read_tasks, run_bench
     from hybridkv_cli.bench_report import render_bench, save
     from hybridkv_cli.inputs import Item
@@ -229,9 +232,7 @@ def bench(
 
     _state["debug"] = debug
     names, sweep = parse_methods(methods), parse_budgets(budgets)
-    options = dict(window=window, theta=theta, sparsity_topk=sparsity_topk, share=share, chunk_size=chunk_size,
-                   sink_aware=sink_aware, landmark=landmark, refresh=refresh, refresh_rate=refresh_rate,
-                   refresh_period=refresh_period, refresh_slots=refresh_slots, route=route)
+    options = given
     method_options(names, options)  # refuses what no method takes before anything loads
     if tasks is not None:
         if args or answer:
@@ -262,19 +263,20 @@ def compress(
                                 "several inputs: a folder)."),
     model: str = MODEL,
     method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`)."),
-    budget: Optional[float] = BUDGET, window: Optional[int] = WINDOW, theta: Optional[float] = THETA,
-    sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
-    sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
-    refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
-    refresh_slots: Optional[int] = REFRESH_SLOTS,
-    sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
-    head_scores: Optional[str] = HEAD_SCORES, frames: int = FRAMES, fps: Optional[float] = FPS,
+    budget: Optional[float] = BUDGET, frames: int = FRAMES, fps: Optional[float] = FPS,
     max_pixels: Optional[int] = MAX_PIXELS, device: str = DEVICE, dtype: str = DTYPE,
+    window: Optional[int] = WINDOW, theta: Optional[float] = THETA, sparsity_topk: Optional[float] = TOPK,
+    share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK, sink_aware: Optional[bool] = SINK_AWARE,
+    landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH, refresh_rate: Optional[float] = REFRESH_RATE,
+    refresh_period: Optional[int] = REFRESH_PERIOD, refresh_slots: Optional[int] = REFRESH_SLOTS,
+    sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE, head_scores: Optional[str] = HEAD_SCORES,
+    route: Optional[str] = ROUTE,
     each: bool = EACH, jsonl: bool = typer.Option(False, "--jsonl", help="One JSON line per input on stdout "
                                                   "(its cache file and sizes, or its error)."),
     resume: bool = typer.Option(False, "--resume", help="Skip inputs whose cache file already exists."),
     quiet: bool = QUIET, debug: bool = DEBUG,
 ):
+    given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.inputs import plan_inputs
     from hybridkv_cli.multi_run import run_compress
     from hybridkv_cli.session import AskOptions, Session
@@ -283,10 +285,7 @@ def compress(
     options = AskOptions(
         model=model, device=device, dtype=dtype, method=method, frames=frames, fps=fps, max_pixels=max_pixels,
         defer_question=True,
-        method_options=dict(budget=budget, window=window, theta=theta, sparsity_topk=sparsity_topk, share=share,
-                            chunk_size=chunk_size, sink_aware=sink_aware, landmark=landmark, refresh=refresh,
-                            refresh_rate=refresh_rate, refresh_period=refresh_period, refresh_slots=refresh_slots,
-                            sinks=sinks, page_size=page_size, head_scores=head_scores),
+        method_options=given,
     )
     session = Session(options, stage=status(quiet))
     items = plan_inputs(list(args), each=each, stdin=sys.stdin)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import typer
 
+# The method options a command passes on (None: not given, each method's default).
+METHOD_OPTIONS = ("budget", "window", "theta", "sparsity_topk", "share", "chunk_size", "sink_aware", "landmark",
+                  "refresh", "refresh_rate", "refresh_period", "refresh_slots", "sinks", "page_size", "head_scores",
+                  "route")
+
 # Options shared by `ask` and `profile`, declared once.
 ARGS = typer.Argument(..., metavar="MEDIA... QUESTION", help="A video, image files or a directory, then the question "
                       "(with --context: the question only).")

@@ -19,35 +19,19 @@ from hybridkv_cli.multi import TEMPLATE_QUESTION, QuestionTemplate, answer, comp
 from hybridkv_cli.prompt import build_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
+from demo_fixtures import SAMPLE, cached_demo, demo, video  # noqa: E402,F401 - fixtures
 from media_fixtures import make_video  # noqa: E402
+from method_options import needed  # noqa: E402
 
-SAMPLE = Path(__file__).resolve().parents[1] / "sample_media" / "shapes.mp4"
 QUESTIONS = ["What happens in the video?", "What colour is the square?"]
 NEW = 8
 FAST = ["--frames", "4", "--max-pixels", str(28 * 28 * 6), "--max-new-tokens", "3"]
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from hybridkv_cli.demo import build_demo
-
-    return build_demo()
-
-
-@pytest.fixture(scope="module")
-def video():
-    return load_media([SAMPLE], frames=16)
-
-
-@pytest.fixture(autouse=True)
-def cached_demo(demo, monkeypatch):
-    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: demo)
-
-
 def make_prefix(demo, video, method, **options):
     p = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
     template = QuestionTemplate.of(demo.processor.tokenizer, p, TEMPLATE_QUESTION)
-    return compress_prefix(demo.model, p, make_policy(method, **options), template)
+    return compress_prefix(demo.model, p, make_policy(method, **needed(method), **options), template)
 
 
 def tokens(demo, prefix, question):

@@ -13,39 +13,23 @@ import pytest
 from hybridkv_cli import cli
 from hybridkv_cli.compression import METHODS, make_policy
 from hybridkv_cli.generation import generate
-from hybridkv_cli.media import load_media
 from hybridkv_cli.multi import TEMPLATE_QUESTION, QuestionTemplate, answer, compress_prefix
 from hybridkv_cli.prompt import build_prompt, build_text_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
+from demo_fixtures import SAMPLE, cached_demo, demo, video  # noqa: E402,F401 - fixtures
 from media_fixtures import make_video  # noqa: E402
+from method_options import needed  # noqa: E402
 
-SAMPLE = Path(__file__).resolve().parents[1] / "sample_media" / "shapes.mp4"
 QUESTIONS = ["What happens in the video?", "What colour is the square?", "How many shapes are there?"]
 NEW = 8
 FAST = ["--model", "demo", "--frames", "4", "--max-pixels", str(28 * 28 * 6), "--max-new-tokens", "3"]
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from hybridkv_cli.demo import build_demo
-
-    return build_demo()
-
-
-@pytest.fixture(scope="module")
-def video():
-    return load_media([SAMPLE], frames=16)
-
-
-@pytest.fixture(autouse=True)
-def cached_demo(demo, monkeypatch):
-    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: demo)
-
-
 def deferred(demo, video, question, method):
     prompt = build_prompt(demo.processor, video, question)
-    return generate(demo.model, prompt, make_policy(method), max_new_tokens=NEW, defer_question=True).tokens
+    policy = make_policy(method, **needed(method))
+    return generate(demo.model, prompt, policy, max_new_tokens=NEW, defer_question=True).tokens
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -53,7 +37,7 @@ def test_every_question_equals_its_own_deferred_run(demo, video, method):
     tok = demo.processor.tokenizer
     template_prompt = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
     template = QuestionTemplate.of(tok, template_prompt, TEMPLATE_QUESTION)
-    prefix = compress_prefix(demo.model, template_prompt, make_policy(method), template)
+    prefix = compress_prefix(demo.model, template_prompt, make_policy(method, **needed(method)), template)
     expected = {q: deferred(demo, video, q, method) for q in QUESTIONS}
     # Order and repetition must not matter: each question starts from the same compressed state.
     for q in [*QUESTIONS, QUESTIONS[0], *reversed(QUESTIONS)]:
