@@ -126,13 +126,21 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
             items = todo
         sink.open()
 
-    def emit(record: dict) -> None:
+    def emit(record: dict, count: str | None = None) -> None:
+        """Write ``record``'s line; ``count``: the summary counter the line completes."""
         line = json.dumps(record)
-        if sink is not None:
-            sink.write(line)
+        try:
+            if sink is not None:
+                sink.write(line)
+        except KeyboardInterrupt:  # a stop signal held during the write is raised after it: the line is in
+            if count:
+                setattr(summary, count, getattr(summary, count) + 1)
+            raise
         if jsonl is not None:
             jsonl.write(line + "\n")
             jsonl.flush()
+        if count:
+            setattr(summary, count, getattr(summary, count) + 1)
 
     progress = Progress(console, len(items), quiet=quiet)
     shown = 0  # records rendered for people
@@ -160,17 +168,14 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
                     if debug and not isinstance(e, HybridKVError):
                         raise
                     record = error_record(item.key, e)
-                    emit(record)
-                    summary.failed += 1
+                    emit(record, "failed")
                     kind = "" if isinstance(e, HybridKVError) else f"{type(e).__name__}: "
                     console.print(f"[red]error:[/red] {escape(item.key)}: {escape(kind + record['error']['message'])}",
                                   highlight=False, soft_wrap=True)
                     progress.finish(item.key, False, time.perf_counter() - started)
                     continue
-                for n, result in enumerate(results):
-                    emit(result)
-                    if n == len(results) - 1:  # the input is answered once its last line is written
-                        summary.ok += 1
+                for n, result in enumerate(results):  # the input is answered once its last line is written
+                    emit(result, "ok" if n == len(results) - 1 else None)
                     if human is not None:
                         from hybridkv_cli.report import render
 
