@@ -148,6 +148,7 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
     try:
         with progress:
             for item in items:
+                signals.raise_if_stopped()  # a stop whose exception a destructor swallowed
                 progress.begin(item.key)
                 started = time.perf_counter()
                 try:

@@ -128,6 +128,7 @@ def run_compress(session, items, output: Path, *, each: bool, resume: bool, cons
                     continue
                 except HybridKVError:
                     pass  # not a finished cache: write it again
+            signals.raise_if_stopped()  # a stop whose exception a destructor swallowed
             started = time.perf_counter()
             try:
                 prefix = session.compress(item)

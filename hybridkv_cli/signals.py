@@ -66,21 +66,36 @@ def _restore(previous: dict) -> None:
             signal.signal(signum, handler)
 
 
+# The stop signals received inside stop_on_signals(). A handler's exception can be swallowed
+# (raised inside a destructor, Python prints "Exception ignored" and goes on), so loops over
+# inputs also ask raise_if_stopped() between inputs.
+_received: list[int] = []
+
+
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """While the block runs, SIGTERM and SIGHUP raise :class:`Terminated` (the previous handlers
-    come back afterwards: nothing is installed at import). SIGINT keeps Python's own handler,
-    which already raises KeyboardInterrupt."""
-    others = [s for s in STOP_SIGNALS if s != signal.SIGINT]
-    previous = _install(_raise, others) if _main_thread() else {}
+    """While the block runs, Ctrl-C raises KeyboardInterrupt and SIGTERM / SIGHUP raise
+    :class:`Terminated`, and each is remembered for :func:`raise_if_stopped` (the previous handlers
+    come back afterwards: nothing is installed at import)."""
+    _received.clear()
+    previous = _install(_raise, STOP_SIGNALS) if _main_thread() else {}
     try:
         yield
     finally:
         _restore(previous)
+        _received.clear()
 
 
 def _raise(signum, frame):
-    raise Terminated(signum)
+    _received.append(int(signum))
+    raise interrupt_for(signum)
+
+
+def raise_if_stopped() -> None:
+    """Raise the interruption of a stop signal received earlier in this run, if one was (its
+    handler's own exception may have been swallowed)."""
+    if _received:
+        raise interrupt_for(_received[0])
 
 
 @contextmanager

@@ -295,3 +295,25 @@ def test_large_image_set_warns_once_naming_each_and_max_pixels(tmp_path, monkeyp
         with pytest.raises(MediaWarning, match="1024 visual tokens"):
             load_media([folder])
 
+
+
+def test_a_stop_signal_swallowed_by_a_destructor_still_stops_the_run():
+    """A handler's exception raised inside ``__del__`` is only printed by Python ("Exception
+    ignored"); the run must stop at the next input anyway."""
+    import gc
+    import os
+    import signal
+
+    from hybridkv_cli import signals
+
+    class Closes:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered while the destructor runs
+
+    with signals.stop_on_signals():
+        signals.raise_if_stopped()  # nothing received yet
+        with pytest.raises(signals.Terminated):
+            Closes()
+            gc.collect()
+            signals.raise_if_stopped()
+    signals.raise_if_stopped()  # outside the run: forgotten
