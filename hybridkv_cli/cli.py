@@ -308,8 +308,7 @@ def route(
     max_new_tokens: int = typer.Option(16, min=1, help="Tokens generated per profile run."),
     defer_question: bool = DEFER, device: str = DEVICE, dtype: str = DTYPE, quiet: bool = QUIET, debug: bool = DEBUG,
 ):
-    """Build a route for `--method route`: per layer, the method that loses least when only that
-    layer is compressed (layers x methods x tasks generations)."""
+    """Build a route for `--method route`: per layer, the method that loses least compressed alone."""
     from hybridkv_cli.bench import parse_methods, read_tasks
     from hybridkv_cli.routing import build_route
     from hybridkv_cli.session import AskOptions, Session

@@ -107,8 +107,10 @@ class RetentiveLayerKV(LayerKV):
 @register("retentivekv")
 @dataclass
 class RetentiveKV(Policy):
-    """RetentiveKV (reconstructed from the abstract): evicted tokens folded into entropy-weighted
-    state entries, a group restored from the host when its state draws attention.
+    """RetentiveKV (reconstructed from the abstract): evicted tokens folded into states, restored on demand.
+
+    Evicted tokens become entropy-weighted state entries; a group comes back from the host when
+    its state draws attention.
 
     Parameters
     ----------
