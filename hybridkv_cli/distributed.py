@@ -19,7 +19,7 @@ from typing import Callable, TextIO
 
 from hybridkv_cli import signals
 from hybridkv_cli.batch import (Recorder, Summary, answer_item, error_kind, error_record, plan_resume)
-from hybridkv_cli.errors import HybridKVError, ModelError, UsageError
+from hybridkv_cli.errors import HybridKVError, ModelError, UsageError, one_line
 from hybridkv_cli.inputs import Item
 from hybridkv_cli.jsonl import JsonlFile
 from hybridkv_cli.progress import Progress
@@ -105,8 +105,7 @@ def run_distributed(items: list[Item], question: str | None, options, *, workers
     try:
         if items:
             started_ray = _init(ray, address, workers, num_cpus, quiet, console)
-            n = workers or max(1, int(ray.cluster_resources().get("GPU", 0) // gpus_per_worker) if gpus_per_worker
-                               else 1)
+            n = workers or _default_workers(ray, gpus_per_worker)
             _drive(ray, items, question, options, n, gpus_per_worker, recorder, progress, questions, answered, debug,
                    fault, quiet, console)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP: the completed lines are in
@@ -120,13 +119,25 @@ def run_distributed(items: list[Item], question: str | None, options, *, workers
     return summary
 
 
+def _default_workers(ray, gpus_per_worker: float) -> int:
+    """Without ``--workers``: as many as the cluster's GPUs hold at ``gpus_per_worker``, else one per node."""
+    if gpus_per_worker:
+        return max(1, int(ray.cluster_resources().get("GPU", 0) // gpus_per_worker))
+    return max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
+
+
 def _init(ray, address, workers, num_cpus, quiet, console) -> bool:
     """Start (or join) the Ray runtime; True when this call connected (and so must shut it down)."""
     if ray.is_initialized():
         return False
     kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR", configure_logging=False)
     if address:
-        ray.init(address=address, **kwargs)
+        try:
+            ray.init(address=address, **kwargs)
+        except ConnectionError as e:
+            raise HybridKVError(f"cannot join the Ray cluster ({one_line(e)}); a cluster with token authentication "
+                                "(Ray's default) needs RAY_AUTH_MODE=token here too, see docs/scale-out.md",
+                                "--ray") from None
     else:
         ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, workers or 1), **kwargs)
     return True

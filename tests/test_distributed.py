@@ -137,3 +137,64 @@ def test_resume_after_an_interrupted_run_answers_only_what_is_missing(local_ray,
     ok = [r["input"]["label"] for r in records if "error" not in r]
     assert len(ok) == len(set(ok)) == 5  # the missing three answered, none twice
     assert sum("error" in r for r in records) == 2  # the bad files: tried again, failed again
+
+
+@needs_ray
+def test_ctrl_c_stops_the_workers_and_keeps_the_completed_lines(local_ray, folder, tmp_path):
+    driver = os.getpid()
+
+    def fault(item):  # clip3 interrupts the driver (Ctrl-C) and never finishes
+        import os as _os
+        import signal as _signal
+        import time as _time
+
+        if item.key.endswith("clip3.mp4"):
+            _os.kill(driver, _signal.SIGINT)
+            _time.sleep(60)
+
+    items = plan_inputs([str(folder)], each=True)
+    output = tmp_path / "out.jsonl"
+    summary, records, err = distributed(items, fault=fault, output=output)
+    assert summary.exit_code == 130 and summary.interrupted
+    assert "interrupted after" in err and "--resume" in err
+    lines = output.read_text().splitlines()
+    assert lines == [json.dumps(r) for r in records] and len(lines) == summary.ok + summary.failed < len(items)
+    assert not any(str(folder / "clip3.mp4") in line for line in lines)
+
+
+@needs_ray
+@pytest.mark.slow
+def test_ray_address_joins_a_running_cluster(folder, tmp_path):
+    """`ray start --head`, then `hybridkv ask ... --ray ADDRESS` in another process."""
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bindir = Path(sys.executable).parent
+    temp = tempfile.mkdtemp(prefix="hkvray")  # short: Ray's socket paths must fit 107 characters
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    # --block: the head lives in this process group, which the test ends (`ray stop` would end every
+    # Ray runtime on the machine, another test's too)
+    head = subprocess.Popen([str(bindir / "ray"), "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+                             "--include-dashboard=false", "--temp-dir", temp], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        output = tmp_path / "out.jsonl"
+        run = subprocess.run([sys.executable, "-m", "hybridkv_cli.cli", "ask", str(folder), QUESTION, "--each",
+                              "--ray", f"127.0.0.1:{port}", "--workers", "2", "-o", str(output), *FAST],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 1, run.stderr
+        records = [json.loads(line) for line in output.read_text().splitlines()]
+        assert sum("error" not in r for r in records) == 5 and len(records) == 7
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
