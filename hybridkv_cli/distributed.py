@@ -80,12 +80,14 @@ def _stop_error(name: str, reason: str, source):
 def run_distributed(items: list[Item], question: str | None, options, *, workers: int | None = None,
                     address: str | None = None, gpus_per_worker: float = 0.0, console, jsonl: TextIO | None = None,
                     human=None, output=None, resume: bool = False, quiet: bool = False, debug: bool = False,
-                    questions=None, fault: Callable | None = None, num_cpus: int | None = None) -> Summary:
+                    questions=None, fault: Callable | None = None, num_cpus: int | None = None,
+                    timings: dict | None = None) -> Summary:
     """:func:`~hybridkv_cli.batch.run_batch` on Ray: ``workers`` actors (default: one per GPU of
     the cluster with ``gpus_per_worker``, else 1), each with ``gpus_per_worker`` GPUs and one
     session built from ``options``; ``address``: an existing cluster (else a local runtime with
     ``num_cpus``, default the machine's). Records are written by this process as they arrive, in
-    completion order."""
+    completion order. ``timings`` (a dict) gets ``startup_s`` (the runtime and the workers' model
+    loads) and ``answer_s`` (the first input sent to the last record written)."""
     option = "--ray" if address and not workers else "--workers"
     ray = import_ray(option)
     if workers is not None and workers < 1:
@@ -101,13 +103,15 @@ def run_distributed(items: list[Item], question: str | None, options, *, workers
         sink.open()
     recorder = Recorder(summary, console=console, sink=sink, jsonl=jsonl, human=human)
     progress = Progress(console, len(items), quiet=quiet)
-    started_ray = False
+    started, started_ray = time.perf_counter(), False
     try:
         if items:
             started_ray = _init(ray, address, workers, num_cpus, quiet, console)
             n = workers or _default_workers(ray, gpus_per_worker)
             _drive(ray, items, question, options, n, gpus_per_worker, recorder, progress, questions, answered, debug,
                    fault, quiet, console)
+            if timings is not None:
+                timings.update(startup_s=progress.start - started, answer_s=time.perf_counter() - progress.start)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP: the completed lines are in
         summary.stopped_by = signals.signal_of(e)
     finally:
