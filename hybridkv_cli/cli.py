@@ -213,18 +213,16 @@ def bench(
     sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
     refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
-    refresh_slots: Optional[int] = REFRESH_SLOTS, route: Optional[str] = ROUTE,
-    frames: int = FRAMES, fps: Optional[float] = FPS,
-    max_pixels: Optional[int] = MAX_PIXELS,
+    refresh_slots: Optional[int] = REFRESH_SLOTS, route: Optional[str] = ROUTE, defer_question: bool = DEFER,
+    frames: int = FRAMES, fps: Optional[float] = FPS, max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per run (greedy)."),
-    defer_question: bool = DEFER,
     per_video: bool = typer.Option(False, "--per-video", help="Questions about the same media share one "
                                    "compression per method and budget (each answered from a copy of it, as a "
                                    "deferred question: the answers of --defer-question, in less time)."),
     out: Optional[Path] = typer.Option(None, help="Directory for bench.csv, bench.json and bench.png."),
-    device: str = DEVICE, dtype: str = DTYPE,
+    device: str = DEVICE, dtype: str = DTYPE, workers: Optional[int] = WORKERS, ray: Optional[str] = RAY,
     as_json: bool = typer.Option(False, "--json", help="Print the JSON (config, aggregates, items), not the table."),
-    quiet: bool = QUIET, debug: bool = DEBUG,
+    quiet: bool = QUIET, debug: bool = DEBUG, gpus_per_worker: float = GPUS_PER_WORKER,
 ):
     given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.bench import Task, method_options, parse_budgets, parse_methods, read_tasks, run_bench
@@ -246,9 +244,11 @@ def bench(
     session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens,
                                  defer_question=defer_question), stage=status(quiet))
-    session.model()
-    result = run_bench(session, inputs, names, sweep, console=err, quiet=quiet, debug=debug, per_video=per_video,
-                       **options)
+    kw = dict(console=err, quiet=quiet, debug=debug, per_video=per_video, **options)
+    from hybridkv_cli.distributed import run_bench_distributed  # imports Ray only when it runs
+    result = (run_bench_distributed(session.options, inputs, names, sweep, workers=workers, address=ray,
+                                    gpus_per_worker=gpus_per_worker, **kw) if workers or ray
+              else run_bench(session, inputs, names, sweep, **kw))
     if out is not None:
         err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
     if as_json:

@@ -222,3 +222,52 @@ def _drive(ray, items, question, options, n, gpus, recorder: Recorder, progress:
         finally:  # stopped or failed: the inputs in flight are dropped with their workers
             for actor in spawned:
                 ray.kill(actor, no_restart=True)
+
+
+class BenchWorker:
+    """One Ray actor of ``bench --workers``: one session, one model load, a shard of the tasks."""
+
+    def __init__(self, options):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from hybridkv_cli.session import Session
+
+        self.session = Session(options)
+
+    def bench(self, tasks, methods, budgets, kwargs):
+        from hybridkv_cli.bench import run_bench
+
+        return run_bench(self.session, tasks, methods, budgets, console=None, **kwargs)
+
+
+def run_bench_distributed(options, tasks, methods, budgets, *, workers: int | None = None, address: str | None = None,
+                          gpus_per_worker: float = 0.0, console=None, quiet: bool = False, per_video: bool = False,
+                          num_cpus: int | None = None, **kwargs) -> dict:
+    """:func:`~hybridkv_cli.bench.run_bench` over Ray workers: the tasks (with ``per_video``, the
+    groups of tasks about one media) are dealt round-robin to the workers, each runs its shard with
+    one model load (and its own warm-up), and the items are put back in task order and aggregated
+    once; the result has :func:`run_bench`'s shape."""
+    from hybridkv_cli.bench import aggregate, group_by_media, plan_runs
+
+    ray = import_ray("--ray" if address and not workers else "--workers")
+    groups = group_by_media(tasks) if per_video else [[t] for t in tasks]
+    started_ray = _init(ray, address, workers, num_cpus, quiet, console)
+    try:
+        n = min(len(groups), workers or _default_workers(ray, gpus_per_worker))
+        Actor = ray.remote(num_cpus=1, num_gpus=gpus_per_worker or 0, max_restarts=0)(BenchWorker)
+        shards = [[t for g in groups[i::n] for t in g] for i in range(n)]
+        if console is not None and not quiet:
+            console.print(f"bench: {len(tasks)} task{'s' if len(tasks) != 1 else ''} over {n} "
+                          f"worker{'s' if n != 1 else ''} ...", highlight=False, soft_wrap=True)
+        refs = [Actor.remote(options).bench.remote(shard, methods, budgets, dict(kwargs, per_video=per_video))
+                for shard in shards]
+        try:
+            results = ray.get(refs)
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+    finally:
+        if started_ray:
+            ray.shutdown()
+    order = {t.id: i for i, t in enumerate(tasks)}
+    items = sorted((item for r in results for item in r["items"]), key=lambda item: order.get(item.get("id"), 0))
+    config = dict(results[0]["config"], inputs=len(tasks), workers=n)
+    return {"config": config, "aggregates": aggregate(items, plan_runs(methods, budgets)), "items": items}

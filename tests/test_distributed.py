@@ -198,3 +198,26 @@ def test_ray_address_joins_a_running_cluster(folder, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@needs_ray
+def test_bench_on_two_workers_gives_the_single_process_answers(local_ray, folder, tmp_path, capsys):
+    tasks = tmp_path / "tasks.jsonl"
+    rows = [{"id": f"t{i}", "question": QUESTION, "answer": "x", "media": str(folder / f"clip{i}.mp4")}
+            for i in range(4)] + [{"id": "bad", "question": QUESTION, "media": str(folder / "text.mp4")}]
+    tasks.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    argv = ["bench", "--tasks", str(tasks), "--methods", "hybridkv,snapkv", "--budgets", "0.2", "--json", "-q",
+            *FAST]
+    assert cli.run(argv) == 1  # the bad task's runs failed
+    single = json.loads(capsys.readouterr().out)
+    assert cli.run([*argv, "--workers", "2"]) == 1
+    spread = json.loads(capsys.readouterr().out)
+
+    def what(result):
+        return [(i["id"], i["method"], i["budget"], i["answer"], (i["error"] or {}).get("type")) for i in result["items"]]
+
+    assert what(spread) == what(single)  # the same runs, answers and errors, in task order
+    strip = ("ms_per_token", "h2d_bytes_per_step")
+    assert [{k: v for k, v in row.items() if k not in strip} for row in spread["aggregates"]] == \
+           [{k: v for k, v in row.items() if k not in strip} for row in single["aggregates"]]
+    assert spread["config"]["workers"] == 2 and spread["config"]["inputs"] == 5
