@@ -13,8 +13,10 @@ recorded as an error. Why not Ray Data: see docs/scale-out.md.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections import deque
+from contextlib import contextmanager
 from typing import Callable, TextIO
 
 from hybridkv_cli import signals
@@ -83,7 +85,7 @@ def run_distributed(items: list[Item], question: str | None, options, *, workers
                     questions=None, fault: Callable | None = None, num_cpus: int | None = None,
                     timings: dict | None = None) -> Summary:
     """:func:`~hybridkv_cli.batch.run_batch` on Ray: ``workers`` actors (default: one per GPU of
-    the cluster with ``gpus_per_worker``, else 1), each with ``gpus_per_worker`` GPUs and one
+    the cluster with ``gpus_per_worker``, else one per node), each with ``gpus_per_worker`` GPUs and one
     session built from ``options``; ``address``: an existing cluster (else a local runtime with
     ``num_cpus``, default the machine's). Records are written by this process as they arrive, in
     completion order. ``timings`` (a dict) gets ``startup_s`` (the runtime and the workers' model
@@ -113,6 +115,10 @@ def run_distributed(items: list[Item], question: str | None, options, *, workers
             if timings is not None:
                 timings.update(startup_s=progress.start - started, answer_s=time.perf_counter() - progress.start)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP: the completed lines are in
+        try:  # Ray re-raises a signal handler's exception inside its calls as a plain KeyboardInterrupt
+            signals.raise_if_stopped()
+        except KeyboardInterrupt as remembered:
+            e = remembered
         summary.stopped_by = signals.signal_of(e)
     finally:
         if sink is not None:
@@ -134,6 +140,28 @@ def _init(ray, address, workers, num_cpus, quiet, console) -> bool:
     """Start (or join) the Ray runtime; True when this call connected (and so must shut it down)."""
     if ray.is_initialized():
         return False
+    with _keep_signal_handlers():
+        _connect(ray, address, workers, num_cpus)
+    return True
+
+
+@contextmanager
+def _keep_signal_handlers():
+    """Ray's core installs its own handlers for SIGTERM (and others), which abort the process: put
+    ours (:mod:`hybridkv_cli.signals`, stop after the completed lines) back after it."""
+    saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                try:
+                    signal.signal(s, handler)
+                except ValueError:  # pragma: no cover - not the main thread
+                    pass
+
+
+def _connect(ray, address, workers, num_cpus) -> None:
     kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR", configure_logging=False)
     if address:
         try:
@@ -144,7 +172,6 @@ def _init(ray, address, workers, num_cpus, quiet, console) -> bool:
                                 "--ray") from None
     else:
         ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, workers or 1), **kwargs)
-    return True
 
 
 def _drive(ray, items, question, options, n, gpus, recorder: Recorder, progress: Progress, questions, answered,

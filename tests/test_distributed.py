@@ -140,23 +140,29 @@ def test_resume_after_an_interrupted_run_answers_only_what_is_missing(local_ray,
 
 
 @needs_ray
-def test_ctrl_c_stops_the_workers_and_keeps_the_completed_lines(local_ray, folder, tmp_path):
+@pytest.mark.parametrize("signame, code, said", [("SIGINT", 130, "interrupted after"),
+                                                  ("SIGTERM", 143, "stopped by SIGTERM after")])
+def test_a_stop_signal_stops_the_workers_and_keeps_the_completed_lines(local_ray, folder, tmp_path, signame, code,
+                                                                       said):
+    from hybridkv_cli.signals import stop_on_signals
+
     driver = os.getpid()
 
-    def fault(item):  # clip3 interrupts the driver (Ctrl-C) and never finishes
+    def fault(item):  # clip3 sends the driver the signal (Ctrl-C, kill) and never finishes
         import os as _os
         import signal as _signal
         import time as _time
 
         if item.key.endswith("clip3.mp4"):
-            _os.kill(driver, _signal.SIGINT)
+            _os.kill(driver, getattr(_signal, signame))
             _time.sleep(60)
 
     items = plan_inputs([str(folder)], each=True)
     output = tmp_path / "out.jsonl"
-    summary, records, err = distributed(items, fault=fault, output=output)
-    assert summary.exit_code == 130 and summary.interrupted
-    assert "interrupted after" in err and "--resume" in err
+    with stop_on_signals():  # the CLI's handlers (Ray's own, which abort on SIGTERM, are put back)
+        summary, records, err = distributed(items, fault=fault, output=output)
+    assert summary.exit_code == code and summary.interrupted
+    assert said in err and "--resume" in err
     lines = output.read_text().splitlines()
     assert lines == [json.dumps(r) for r in records] and len(lines) == summary.ok + summary.failed < len(items)
     assert not any(str(folder / "clip3.mp4") in line for line in lines)
