@@ -87,6 +87,111 @@ class Summary:
         return EXIT_FAILED if self.failed else EXIT_OK
 
 
+def plan_resume(items: list[Item], output, questions, *, console, quiet: bool) -> tuple[list[Item], set | None]:
+    """``--resume``: the items ``output`` has not answered yet (all of them for a multi-question run
+    while one question is missing), and with ``questions`` the (input, question) pairs it has."""
+    from rich.markup import escape
+
+    answered = None
+    if questions is None:
+        done = JsonlFile(output).done()
+        todo = [it for it in items if it.key not in done]
+    else:
+        answered = answered_pairs(output)
+        todo = [it for it in items if any((it.key, q) not in answered for q, _ in questions)]
+    skipped = len(items) - len(todo)
+    if skipped and not quiet:
+        console.print(f"resume: skipping {skipped} input{'s' if skipped > 1 else ''} "
+                      f"already answered in {escape(str(output))}", highlight=False, soft_wrap=True)
+    return todo, answered
+
+
+def answer_item(session: Session, item: Item, question: str | None, questions=None, answered: set | None = None,
+                context: str | None = None) -> list[dict]:
+    """One input's records (one per question); raises what the session raises. ``answered``: the
+    (input, question) pairs ``--resume`` skips."""
+    if questions is None:
+        return [session.answer(item, question)]
+    wanted = [(q, a) for q, a in questions if not answered or (item.key, q) not in answered]
+    results = session.answer_all(item, [q for q, _ in wanted], context=context)
+    for result, (_, answers) in zip(results, wanted):
+        if answers:
+            from hybridkv_cli.bench import is_correct
+
+            result["expected"] = list(answers)
+            result["correct"] = is_correct(result["answer"], answers)
+    return results
+
+
+def error_kind(exc: BaseException) -> str:
+    """What an error line puts before the message: nothing for our one-line errors, else the type."""
+    return "" if isinstance(exc, HybridKVError) else f"{type(exc).__name__}: "
+
+
+class Recorder:
+    """Where a run's records go, shared by :func:`run_batch` and the distributed driver
+    (:mod:`hybridkv_cli.distributed`): the JSONL file (``sink``), the ``jsonl`` stream, the human
+    report, error lines on ``console``, and the :class:`Summary` counts."""
+
+    def __init__(self, summary: Summary, *, console, sink: JsonlFile | None = None, jsonl: TextIO | None = None,
+                 human=None):
+        self.summary, self.console, self.sink, self.jsonl, self.human = summary, console, sink, jsonl, human
+        self.shown = 0  # records rendered for people
+
+    def emit(self, record: dict, count: str | None = None) -> None:
+        """Write ``record``'s line; ``count``: the summary counter the line completes."""
+        summary = self.summary
+        line = json.dumps(record)
+        try:
+            if self.sink is not None:
+                self.sink.write(line)
+        except KeyboardInterrupt:  # a stop signal held during the write is raised after it: the line is in
+            if count:
+                setattr(summary, count, getattr(summary, count) + 1)
+            raise
+        if self.jsonl is not None:
+            self.jsonl.write(line + "\n")
+            self.jsonl.flush()
+        if count:
+            setattr(summary, count, getattr(summary, count) + 1)
+
+    def failed(self, key: str, record: dict, kind: str = "") -> None:
+        """Input ``key`` failed: its error ``record`` and one ``error:`` line (``kind``: see :func:`error_kind`)."""
+        from rich.markup import escape
+
+        self.emit(record, "failed")
+        self.console.print(f"[red]error:[/red] {escape(key)}: {escape(kind + record['error']['message'])}",
+                           highlight=False, soft_wrap=True)
+
+    def answered(self, key: str, results: list[dict]) -> None:
+        """Input ``key`` is answered: its records (it counts once its last line is written)."""
+        from rich.markup import escape
+
+        for n, result in enumerate(results):
+            self.emit(result, "ok" if n == len(results) - 1 else None)
+            if self.human is not None:
+                from hybridkv_cli.report import render
+
+                if self.shown:
+                    self.human.print()
+                self.shown += 1
+                title = key if len(results) == 1 else f"{key} · {result['question']}"
+                self.human.print(f"[bold]── {escape(title)}[/bold]", highlight=False, soft_wrap=True)
+                render(result, self.human)
+
+    def last_line(self, total: int, output, seconds: float, quiet: bool) -> None:
+        """The line a run ends with: the stop line, or ``done: ...`` (unless ``quiet``)."""
+        from rich.markup import escape
+
+        summary = self.summary
+        if summary.interrupted:
+            self.console.print(escape(stop_line(summary, total, output)), highlight=False, soft_wrap=True)
+        elif not quiet:
+            skipped = f", {summary.skipped} skipped (already answered)" if summary.skipped else ""
+            self.console.print(f"done: {summary.ok} answered, {summary.failed} failed{skipped} in "
+                               f"{clock(seconds)}", highlight=False, soft_wrap=True)
+
+
 def run_batch(items: list[Item], question: str | None, session: Session, *, console, jsonl: TextIO | None = None,
               human=None, output: str | os.PathLike | None = None, resume: bool = False, quiet: bool = False,
               debug: bool = False, questions: list[tuple[str, tuple[str, ...]]] | None = None,
@@ -107,43 +212,18 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
     that cache, one record per question (:meth:`Session.answer_all`); ``resume`` skips the
     (input, question) pairs already answered and an input whose questions all are.
     """
-    from rich.markup import escape
-
     summary = Summary()
     sink = JsonlFile(output) if output is not None else None
+    answered = None
     if sink is not None:
         if resume:
-            if questions is None:
-                done = sink.done()
-                todo = [it for it in items if it.key not in done]
-            else:
-                answered = answered_pairs(output)
-                todo = [it for it in items if any((it.key, q) not in answered for q, _ in questions)]
+            todo, answered = plan_resume(items, output, questions, console=console, quiet=quiet)
             summary.skipped = len(items) - len(todo)
-            if summary.skipped and not quiet:
-                console.print(f"resume: skipping {summary.skipped} input{'s' if summary.skipped > 1 else ''} "
-                              f"already answered in {escape(str(output))}", highlight=False, soft_wrap=True)
             items = todo
         sink.open()
-
-    def emit(record: dict, count: str | None = None) -> None:
-        """Write ``record``'s line; ``count``: the summary counter the line completes."""
-        line = json.dumps(record)
-        try:
-            if sink is not None:
-                sink.write(line)
-        except KeyboardInterrupt:  # a stop signal held during the write is raised after it: the line is in
-            if count:
-                setattr(summary, count, getattr(summary, count) + 1)
-            raise
-        if jsonl is not None:
-            jsonl.write(line + "\n")
-            jsonl.flush()
-        if count:
-            setattr(summary, count, getattr(summary, count) + 1)
+    recorder = Recorder(summary, console=console, sink=sink, jsonl=jsonl, human=human)
 
     progress = Progress(console, len(items), quiet=quiet)
-    shown = 0  # records rendered for people
     session.stage = progress.stage
     try:
         with progress:
@@ -152,50 +232,21 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
                 progress.begin(item.key)
                 started = time.perf_counter()
                 try:
-                    if questions is None:
-                        results = [session.answer(item, question)]
-                    else:
-                        wanted = [(q, a) for q, a in questions if not resume or (item.key, q) not in answered]
-                        results = session.answer_all(item, [q for q, _ in wanted], context=context)
-                        for result, (_, answers) in zip(results, wanted):
-                            if answers:
-                                from hybridkv_cli.bench import is_correct
-
-                                result["expected"] = list(answers)
-                                result["correct"] = is_correct(result["answer"], answers)
+                    results = answer_item(session, item, question, questions, answered, context)
                 except (UsageError, ModelError):  # the same for every input: stop the run
                     raise
                 except Exception as e:
                     if debug and not isinstance(e, HybridKVError):
                         raise
-                    record = error_record(item.key, e)
-                    emit(record, "failed")
-                    kind = "" if isinstance(e, HybridKVError) else f"{type(e).__name__}: "
-                    console.print(f"[red]error:[/red] {escape(item.key)}: {escape(kind + record['error']['message'])}",
-                                  highlight=False, soft_wrap=True)
+                    recorder.failed(item.key, error_record(item.key, e), error_kind(e))
                     progress.finish(item.key, False, time.perf_counter() - started)
                     continue
-                for n, result in enumerate(results):  # the input is answered once its last line is written
-                    emit(result, "ok" if n == len(results) - 1 else None)
-                    if human is not None:
-                        from hybridkv_cli.report import render
-
-                        if shown:
-                            human.print()
-                        shown += 1
-                        title = item.key if len(results) == 1 else f"{item.key} · {result['question']}"
-                        human.print(f"[bold]── {escape(title)}[/bold]", highlight=False, soft_wrap=True)
-                        render(result, human)
+                recorder.answered(item.key, results)
                 progress.finish(item.key, True, time.perf_counter() - started)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.signals)
         summary.stopped_by = signals.signal_of(e)
     finally:
         if sink is not None:
             sink.close()
-    if summary.interrupted:
-        console.print(escape(stop_line(summary, len(items), output)), highlight=False, soft_wrap=True)
-    elif not quiet:
-        skipped = f", {summary.skipped} skipped (already answered)" if summary.skipped else ""
-        console.print(f"done: {summary.ok} answered, {summary.failed} failed{skipped} in "
-                      f"{clock(time.perf_counter() - progress.start)}", highlight=False, soft_wrap=True)
+    recorder.last_line(len(items), output, time.perf_counter() - progress.start, quiet)
     return summary

@@ -20,7 +20,7 @@ from hybridkv_cli.cli_options import (  # noqa: F401 - options and help texts of
     ARGS, MODEL, CONTEXT, BUDGET, WINDOW, THETA, TOPK, SHARE, CHUNK, SINK_AWARE, LANDMARK, REFRESH,
     REFRESH_RATE, REFRESH_PERIOD, REFRESH_SLOTS, SINKS, PAGE_SIZE, ROUTE, HEAD_SCORES, FRAMES, FPS, DEFER,
     MAX_PIXELS, DEVICE, DTYPE, JSON, DEBUG, QUIET, EACH, JSONL, OUTPUT, ASK_MODEL, QUESTION, QUESTIONS,
-    RESUME, ASK_HELP, BENCH_HELP, COMPRESS_HELP, METHOD_OPTIONS,
+    RESUME, ASK_HELP, BENCH_HELP, COMPRESS_HELP, METHOD_OPTIONS, WORKERS, RAY, GPUS_PER_WORKER,
 )
 from hybridkv_cli.console import err, one_line_warnings, print_error, print_warning, quiet_libraries, status
 from hybridkv_cli.errors import HybridKVError, UsageError, one_line
@@ -63,16 +63,14 @@ def ask(
     sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
     refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
-    refresh_slots: Optional[int] = REFRESH_SLOTS,
-    sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
+    refresh_slots: Optional[int] = REFRESH_SLOTS, sinks: Optional[int] = SINKS, page_size: Optional[int] = PAGE_SIZE,
     head_scores: Optional[str] = HEAD_SCORES, route: Optional[str] = ROUTE, frames: int = FRAMES,
-    fps: Optional[float] = FPS,
-    max_pixels: Optional[int] = MAX_PIXELS,
+    fps: Optional[float] = FPS, max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(128, min=1, help="Greedy decoding length limit."),
     defer_question: bool = DEFER, device: str = DEVICE, dtype: str = DTYPE, as_json: bool = JSON,
-    each: bool = EACH, jsonl: bool = JSONL,
-    output: Optional[Path] = OUTPUT, resume: bool = RESUME, quiet: bool = QUIET, debug: bool = DEBUG,
-    context: Optional[str] = CONTEXT,
+    each: bool = EACH, jsonl: bool = JSONL, output: Optional[Path] = OUTPUT, resume: bool = RESUME,
+    quiet: bool = QUIET, debug: bool = DEBUG, context: Optional[str] = CONTEXT, workers: Optional[int] = WORKERS,
+    ray: Optional[str] = RAY, gpus_per_worker: float = GPUS_PER_WORKER,
 ):
     given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.batch import run_batch
@@ -101,6 +99,8 @@ def ask(
         defer_question=defer_question or multi,
         method_options=given,
     )
+    if multi and (workers or ray):
+        raise UsageError("several questions or .hkv inputs run in one process for now", "--workers")
     if multi:
         from hybridkv_cli.multi_run import ask_questions
 
@@ -108,7 +108,7 @@ def ask(
                              context=context, each=each, caches=caches, as_json=as_json, jsonl=jsonl,
                              output=output, resume=resume, quiet=quiet, debug=debug)
     session = Session(options, stage=status(quiet))  # refuses a bad method or option before any input is read
-    batch = each or "-" in paths or jsonl or output is not None
+    batch = each or "-" in paths or jsonl or output is not None or workers or ray
     if as_json and jsonl:
         raise UsageError("--json and --jsonl exclude each other (--jsonl: one line per input)", "--json")
     if as_json and batch:
@@ -140,9 +140,11 @@ def ask(
     if not items:
         print_warning("no input paths on stdin; nothing to do")
         return 0
-    summary = run_batch(items, question, session, console=err, jsonl=sys.stdout if jsonl else None,
-                        human=Console() if not jsonl and output is None else None, output=output, resume=resume,
-                        quiet=quiet, debug=debug)
+    kw = dict(console=err, jsonl=sys.stdout if jsonl else None, human=Console() if not jsonl and output is None
+              else None, output=output, resume=resume, quiet=quiet, debug=debug)
+    from hybridkv_cli.distributed import run_distributed  # imports Ray only when it runs
+    summary = (run_distributed(items, question, options, workers=workers, address=ray, gpus_per_worker=gpus_per_worker,
+                               **kw) if workers or ray else run_batch(items, question, session, **kw))
     return summary.exit_code
 
 
@@ -211,18 +213,16 @@ def bench(
     sparsity_topk: Optional[float] = TOPK, share: Optional[float] = SHARE, chunk_size: Optional[int] = CHUNK,
     sink_aware: Optional[bool] = SINK_AWARE, landmark: Optional[str] = LANDMARK, refresh: Optional[str] = REFRESH,
     refresh_rate: Optional[float] = REFRESH_RATE, refresh_period: Optional[int] = REFRESH_PERIOD,
-    refresh_slots: Optional[int] = REFRESH_SLOTS, route: Optional[str] = ROUTE,
-    frames: int = FRAMES, fps: Optional[float] = FPS,
-    max_pixels: Optional[int] = MAX_PIXELS,
+    refresh_slots: Optional[int] = REFRESH_SLOTS, route: Optional[str] = ROUTE, defer_question: bool = DEFER,
+    frames: int = FRAMES, fps: Optional[float] = FPS, max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(32, min=1, help="Tokens generated per run (greedy)."),
-    defer_question: bool = DEFER,
     per_video: bool = typer.Option(False, "--per-video", help="Questions about the same media share one "
                                    "compression per method and budget (each answered from a copy of it, as a "
                                    "deferred question: the answers of --defer-question, in less time)."),
     out: Optional[Path] = typer.Option(None, help="Directory for bench.csv, bench.json and bench.png."),
-    device: str = DEVICE, dtype: str = DTYPE,
+    device: str = DEVICE, dtype: str = DTYPE, workers: Optional[int] = WORKERS, ray: Optional[str] = RAY,
     as_json: bool = typer.Option(False, "--json", help="Print the JSON (config, aggregates, items), not the table."),
-    quiet: bool = QUIET, debug: bool = DEBUG,
+    quiet: bool = QUIET, debug: bool = DEBUG, gpus_per_worker: float = GPUS_PER_WORKER,
 ):
     given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.bench import Task, method_options, parse_budgets, parse_methods, read_tasks, run_bench
@@ -244,9 +244,11 @@ def bench(
     session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens,
                                  defer_question=defer_question), stage=status(quiet))
-    session.model()
-    result = run_bench(session, inputs, names, sweep, console=err, quiet=quiet, debug=debug, per_video=per_video,
-                       **options)
+    kw = dict(console=err, quiet=quiet, debug=debug, per_video=per_video, **options)
+    from hybridkv_cli.distributed import run_bench_distributed  # imports Ray only when it runs
+    result = (run_bench_distributed(session.options, inputs, names, sweep, workers=workers, address=ray,
+                                    gpus_per_worker=gpus_per_worker, **kw) if workers or ray
+              else run_bench(session, inputs, names, sweep, **kw))
     if out is not None:
         err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
     if as_json:

@@ -117,3 +117,11 @@ COMPRESS_HELP = (
     "or hybridkv version.\n\n"
     "Exit status: 0 every input compressed; 1 an input failed (the others still ran); 2 bad command line."
 )
+
+# Runs over many processes, GPUs and machines (see hybridkv_cli/distributed.py, docs/scale-out.md).
+WORKERS = typer.Option(None, "--workers", min=1, metavar="N", help="Answer the inputs with N Ray workers, one model "
+                       'load each, on a local Ray runtime (or the --ray cluster); needs pip install -e ".[ray]".')
+RAY = typer.Option(None, "--ray", metavar="ADDRESS", help="Join the Ray cluster at ADDRESS (host:port, or auto) and "
+                   "answer there [--workers default: one per --gpus-per-worker GPUs of the cluster].")
+GPUS_PER_WORKER = typer.Option(0.0, "--gpus-per-worker", min=0.0, help="GPUs each Ray worker holds (a fraction "
+                               "packs several workers on one GPU) [default: 0, the CPU].")

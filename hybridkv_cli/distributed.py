@@ -1,0 +1,300 @@
+"""Many inputs over many processes, GPUs and machines on Ray: ``ask DIR --each --workers N`` / ``--ray ADDRESS``.
+
+Ray **actors with a work queue** (not Ray Data): each actor builds one
+:class:`~hybridkv_cli.session.Session` (one model load) and answers one input at a time; the
+driver keeps every actor busy with one input from its queue, takes the results as they arrive
+(:func:`ray.wait`) and writes them through the same :class:`~hybridkv_cli.batch.Recorder` as the
+single-process :func:`~hybridkv_cli.batch.run_batch` (the same JSONL lines, fsynced one by one,
+the same error records, ``--resume`` and exit codes). An actor that dies (killed, out of memory)
+loses only the input it held: a new actor replaces it and the input is tried once more, then
+recorded as an error. Why not Ray Data: see docs/scale-out.md.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable, TextIO
+
+from hybridkv_cli import signals
+from hybridkv_cli.batch import (Recorder, Summary, answer_item, error_kind, error_record, plan_resume)
+from hybridkv_cli.errors import HybridKVError, ModelError, UsageError, one_line
+from hybridkv_cli.inputs import Item
+from hybridkv_cli.jsonl import JsonlFile
+from hybridkv_cli.progress import Progress
+
+INSTALL = 'pip install -e ".[ray]"'
+#: How many times an input is tried on a new worker after its worker died.
+RETRIES = 1
+
+
+class WorkerLost(HybridKVError):
+    """The worker answering an input died (killed, out of memory), on every try."""
+
+
+def import_ray(option: str = "--workers"):
+    """The ``ray`` module, or a one-line usage error naming the install command."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError(f"needs Ray: {INSTALL}", option) from None
+    return ray
+
+
+class Worker:
+    """One Ray actor: one session, one model load, one input at a time (the body of the actor class)."""
+
+    def __init__(self, options, fault: Callable | None = None):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from hybridkv_cli.session import Session
+
+        self.session = Session(options)
+        self.fault = fault  # tests: called with each item before it is answered (to kill the worker)
+
+    def ready(self) -> float:
+        """Load the model; the seconds it took."""
+        started = time.perf_counter()
+        self.session.model()
+        return time.perf_counter() - started
+
+    def answer(self, item: Item, question, questions=None, answered=None, debug: bool = False):
+        """``("ok", records)``, ``("error", error record, kind)``, or ``("stop", error)`` for an error
+        that would fail every input the same way (a usage or model error)."""
+        if self.fault is not None:
+            self.fault(item)
+        try:
+            return "ok", answer_item(self.session, item, question, questions, answered)
+        except (UsageError, ModelError) as e:
+            return "stop", (type(e).__name__, e.reason, e.source)
+        except Exception as e:
+            if debug and not isinstance(e, HybridKVError):
+                raise
+            return "error", error_record(item.key, e), error_kind(e)
+
+
+def _stop_error(name: str, reason: str, source):
+    return (UsageError if name == "UsageError" else ModelError)(reason, source)
+
+
+def run_distributed(items: list[Item], question: str | None, options, *, workers: int | None = None,
+                    address: str | None = None, gpus_per_worker: float = 0.0, console, jsonl: TextIO | None = None,
+                    human=None, output=None, resume: bool = False, quiet: bool = False, debug: bool = False,
+                    questions=None, fault: Callable | None = None, num_cpus: int | None = None,
+                    timings: dict | None = None) -> Summary:
+    """:func:`~hybridkv_cli.batch.run_batch` on Ray: ``workers`` actors (default: one per GPU of
+    the cluster with ``gpus_per_worker``, else one per node), each with ``gpus_per_worker`` GPUs and one
+    session built from ``options``; ``address``: an existing cluster (else a local runtime with
+    ``num_cpus``, default the machine's). Records are written by this process as they arrive, in
+    completion order. ``timings`` (a dict) gets ``startup_s`` (the runtime and the workers' model
+    loads) and ``answer_s`` (the first input sent to the last record written)."""
+    option = "--ray" if address and not workers else "--workers"
+    ray = import_ray(option)
+    if workers is not None and workers < 1:
+        raise UsageError("give 1 or more workers", "--workers")
+    summary = Summary()
+    sink = JsonlFile(output) if output is not None else None
+    answered = None
+    if sink is not None:
+        if resume:
+            todo, answered = plan_resume(items, output, questions, console=console, quiet=quiet)
+            summary.skipped = len(items) - len(todo)
+            items = todo
+        sink.open()
+    recorder = Recorder(summary, console=console, sink=sink, jsonl=jsonl, human=human)
+    progress = Progress(console, len(items), quiet=quiet)
+    started, started_ray = time.perf_counter(), False
+    try:
+        if items:
+            started_ray = _init(ray, address, workers, num_cpus, quiet, console)
+            n = workers or _default_workers(ray, gpus_per_worker)
+            _drive(ray, items, question, options, n, gpus_per_worker, recorder, progress, questions, answered, debug,
+                   fault, quiet, console)
+            if timings is not None:
+                timings.update(startup_s=progress.start - started, answer_s=time.perf_counter() - progress.start)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP: the completed lines are in
+        try:  # Ray re-raises a signal handler's exception inside its calls as a plain KeyboardInterrupt
+            signals.raise_if_stopped()
+        except KeyboardInterrupt as remembered:
+            e = remembered
+        summary.stopped_by = signals.signal_of(e)
+    finally:
+        if sink is not None:
+            sink.close()
+        if started_ray:
+            ray.shutdown()
+    recorder.last_line(len(items), output, time.perf_counter() - progress.start, quiet)
+    return summary
+
+
+def _default_workers(ray, gpus_per_worker: float) -> int:
+    """Without ``--workers``: as many as the cluster's GPUs hold at ``gpus_per_worker``, else one per node."""
+    if gpus_per_worker:
+        return max(1, int(ray.cluster_resources().get("GPU", 0) // gpus_per_worker))
+    return max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
+
+
+def _init(ray, address, workers, num_cpus, quiet, console) -> bool:
+    """Start (or join) the Ray runtime; True when this call connected (and so must shut it down)."""
+    if ray.is_initialized():
+        return False
+    with _keep_signal_handlers():
+        _connect(ray, address, workers, num_cpus)
+    return True
+
+
+@contextmanager
+def _keep_signal_handlers():
+    """Ray's core installs its own handlers for SIGTERM (and others), which abort the process: put
+    ours (:mod:`hybridkv_cli.signals`, stop after the completed lines) back after it."""
+    saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                try:
+                    signal.signal(s, handler)
+                except ValueError:  # pragma: no cover - not the main thread
+                    pass
+
+
+def _connect(ray, address, workers, num_cpus) -> None:
+    kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR", configure_logging=False)
+    if address:
+        try:
+            ray.init(address=address, **kwargs)
+        except ConnectionError as e:
+            raise HybridKVError(f"cannot join the Ray cluster ({one_line(e)}); a cluster with token authentication "
+                                "(Ray's default) needs RAY_AUTH_MODE=token here too, see docs/scale-out.md",
+                                "--ray") from None
+    else:
+        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, workers or 1), **kwargs)
+
+
+def _drive(ray, items, question, options, n, gpus, recorder: Recorder, progress: Progress, questions, answered,
+           debug, fault, quiet, console) -> None:
+    """Keep ``n`` actors busy with one input each until every item has a record."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        from ray.exceptions import OutOfMemoryError as RayOOM, WorkerCrashedError
+        lost_errors = (RayActorError, RayOOM, WorkerCrashedError)
+    except ImportError:  # pragma: no cover - older Ray
+        lost_errors = (RayActorError,)
+    Actor = ray.remote(num_cpus=1, num_gpus=gpus or 0, max_restarts=0)(Worker)
+
+    spawned = []
+
+    def spawn():
+        spawned.append(Actor.remote(options, fault))
+        return spawned[-1]
+
+    load_started = time.perf_counter()
+    actors = [spawn() for _ in range(min(n, len(items)))]
+    try:
+        ray.get([a.ready.remote() for a in actors])
+    except RayTaskError as e:
+        cause = e.as_instanceof_cause()
+        if isinstance(cause, HybridKVError):
+            raise ModelError(cause.reason, cause.source) from None
+        raise
+    if not quiet:
+        console.print(f"{len(actors)} worker{'s' if len(actors) > 1 else ''} ready in "
+                      f"{time.perf_counter() - load_started:.1f} s", highlight=False, soft_wrap=True)
+    progress.start = time.perf_counter()  # the rate and ETA count answering, not the start-up
+
+    queue = deque(enumerate(items))
+    tries: dict[int, int] = {}  # index into items -> workers lost on it
+    idle = list(actors)
+    running: dict = {}  # object ref -> (actor, index into items, started)
+    with progress:
+        try:
+            while queue or running:
+                signals.raise_if_stopped()
+                while idle and queue:
+                    actor, (i, item) = idle.pop(), queue.popleft()
+                    progress.begin(item.key)
+                    ref = actor.answer.remote(item, question, questions, answered, debug)
+                    running[ref] = (actor, i, time.perf_counter())
+                ready, _ = ray.wait(list(running), num_returns=1, timeout=0.2)
+                for ref in ready:
+                    actor, i, started = running.pop(ref)
+                    item = items[i]
+                    try:
+                        outcome = ray.get(ref)
+                    except lost_errors as e:
+                        tries[i] = tries.get(i, 0) + 1
+                        idle.append(spawn())  # a new actor in the dead one's place
+                        if tries[i] <= RETRIES:
+                            queue.appendleft((i, item))
+                            continue
+                        lost = WorkerLost(f"its worker died {tries[i]} times ({type(e).__name__})", item.key)
+                        recorder.failed(item.key, error_record(item.key, lost))
+                        progress.finish(item.key, False, time.perf_counter() - started)
+                        continue
+                    except RayTaskError as e:  # --debug: an unexpected exception, with the worker's traceback
+                        raise e.as_instanceof_cause() from None
+                    idle.append(actor)
+                    if outcome[0] == "stop":
+                        raise _stop_error(*outcome[1])
+                    if outcome[0] == "error":
+                        recorder.failed(item.key, outcome[1], outcome[2])
+                        progress.finish(item.key, False, time.perf_counter() - started)
+                    else:
+                        recorder.answered(item.key, outcome[1])
+                        progress.finish(item.key, True, time.perf_counter() - started)
+        finally:  # stopped or failed: the inputs in flight are dropped with their workers
+            for actor in spawned:
+                ray.kill(actor, no_restart=True)
+
+
+class BenchWorker:
+    """One Ray actor of ``bench --workers``: one session, one model load, a shard of the tasks."""
+
+    def __init__(self, options):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from hybridkv_cli.session import Session
+
+        self.session = Session(options)
+
+    def bench(self, tasks, methods, budgets, kwargs):
+        from hybridkv_cli.bench import run_bench
+
+        return run_bench(self.session, tasks, methods, budgets, console=None, **kwargs)
+
+
+def run_bench_distributed(options, tasks, methods, budgets, *, workers: int | None = None, address: str | None = None,
+                          gpus_per_worker: float = 0.0, console=None, quiet: bool = False, per_video: bool = False,
+                          num_cpus: int | None = None, **kwargs) -> dict:
+    """:func:`~hybridkv_cli.bench.run_bench` over Ray workers: the tasks (with ``per_video``, the
+    groups of tasks about one media) are dealt round-robin to the workers, each runs its shard with
+    one model load (and its own warm-up), and the items are put back in task order and aggregated
+    once; the result has :func:`run_bench`'s shape."""
+    from hybridkv_cli.bench import aggregate, group_by_media, plan_runs
+
+    ray = import_ray("--ray" if address and not workers else "--workers")
+    groups = group_by_media(tasks) if per_video else [[t] for t in tasks]
+    started_ray = _init(ray, address, workers, num_cpus, quiet, console)
+    try:
+        n = min(len(groups), workers or _default_workers(ray, gpus_per_worker))
+        Actor = ray.remote(num_cpus=1, num_gpus=gpus_per_worker or 0, max_restarts=0)(BenchWorker)
+        shards = [[t for g in groups[i::n] for t in g] for i in range(n)]
+        if console is not None and not quiet:
+            console.print(f"bench: {len(tasks)} task{'s' if len(tasks) != 1 else ''} over {n} "
+                          f"worker{'s' if n != 1 else ''} ...", highlight=False, soft_wrap=True)
+        refs = [Actor.remote(options).bench.remote(shard, methods, budgets, dict(kwargs, per_video=per_video))
+                for shard in shards]
+        try:
+            results = ray.get(refs)
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+    finally:
+        if started_ray:
+            ray.shutdown()
+    order = {t.id: i for i, t in enumerate(tasks)}
+    items = sorted((item for r in results for item in r["items"]), key=lambda item: order.get(item.get("id"), 0))
+    config = dict(results[0]["config"], inputs=len(tasks), workers=n)
+    return {"config": config, "aggregates": aggregate(items, plan_runs(methods, budgets)), "items": items}
