@@ -138,6 +138,26 @@ class Recorder:
         self.summary, self.console, self.sink, self.jsonl, self.human = summary, console, sink, jsonl, human
         self.shown = 0  # records rendered for people
 
+    @classmethod
+    def start(cls, items: list[Item], output, resume: bool, questions, *, console, jsonl=None, human=None,
+              quiet: bool = False) -> tuple["Recorder", list[Item], set | None]:
+        """A run's recorder with its output file open, the items still to answer (``resume``: those
+        the file has not answered) and the (input, question) pairs answered already (or None)."""
+        summary = Summary()
+        sink = JsonlFile(output) if output is not None else None
+        answered = None
+        if sink is not None:
+            if resume:
+                todo, answered = plan_resume(items, output, questions, console=console, quiet=quiet)
+                summary.skipped = len(items) - len(todo)
+                items = todo
+            sink.open()
+        return cls(summary, console=console, sink=sink, jsonl=jsonl, human=human), items, answered
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+
     def emit(self, record: dict, count: str | None = None) -> None:
         """Write ``record``'s line; ``count``: the summary counter the line completes."""
         summary = self.summary
@@ -212,16 +232,9 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
     that cache, one record per question (:meth:`Session.answer_all`); ``resume`` skips the
     (input, question) pairs already answered and an input whose questions all are.
     """
-    summary = Summary()
-    sink = JsonlFile(output) if output is not None else None
-    answered = None
-    if sink is not None:
-        if resume:
-            todo, answered = plan_resume(items, output, questions, console=console, quiet=quiet)
-            summary.skipped = len(items) - len(todo)
-            items = todo
-        sink.open()
-    recorder = Recorder(summary, console=console, sink=sink, jsonl=jsonl, human=human)
+    recorder, items, answered = Recorder.start(items, output, resume, questions, console=console, jsonl=jsonl,
+                                               human=human, quiet=quiet)
+    summary = recorder.summary
 
     progress = Progress(console, len(items), quiet=quiet)
     session.stage = progress.stage
@@ -246,7 +259,6 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.signals)
         summary.stopped_by = signals.signal_of(e)
     finally:
-        if sink is not None:
-            sink.close()
+        recorder.close()
     recorder.last_line(len(items), output, time.perf_counter() - progress.start, quiet)
     return summary

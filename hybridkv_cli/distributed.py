@@ -20,10 +20,9 @@ from contextlib import contextmanager
 from typing import Callable, TextIO
 
 from hybridkv_cli import signals
-from hybridkv_cli.batch import (Recorder, Summary, answer_item, error_kind, error_record, plan_resume)
+from hybridkv_cli.batch import Recorder, Summary, answer_item, error_kind, error_record
 from hybridkv_cli.errors import HybridKVError, ModelError, UsageError, one_line
 from hybridkv_cli.inputs import Item
-from hybridkv_cli.jsonl import JsonlFile
 from hybridkv_cli.progress import Progress
 
 INSTALL = 'pip install -e ".[ray]"'
@@ -94,16 +93,9 @@ def run_distributed(items: list[Item], question: str | None, options, *, workers
     ray = import_ray(option)
     if workers is not None and workers < 1:
         raise UsageError("give 1 or more workers", "--workers")
-    summary = Summary()
-    sink = JsonlFile(output) if output is not None else None
-    answered = None
-    if sink is not None:
-        if resume:
-            todo, answered = plan_resume(items, output, questions, console=console, quiet=quiet)
-            summary.skipped = len(items) - len(todo)
-            items = todo
-        sink.open()
-    recorder = Recorder(summary, console=console, sink=sink, jsonl=jsonl, human=human)
+    recorder, items, answered = Recorder.start(items, output, resume, questions, console=console, jsonl=jsonl,
+                                               human=human, quiet=quiet)
+    summary = recorder.summary
     progress = Progress(console, len(items), quiet=quiet)
     started, started_ray = time.perf_counter(), False
     try:
@@ -121,8 +113,7 @@ def run_distributed(items: list[Item], question: str | None, options, *, workers
             e = remembered
         summary.stopped_by = signals.signal_of(e)
     finally:
-        if sink is not None:
-            sink.close()
+        recorder.close()
         if started_ray:
             ray.shutdown()
     recorder.last_line(len(items), output, time.perf_counter() - progress.start, quiet)
