@@ -18,6 +18,7 @@ from PIL import Image
 
 from hybridkv_cli import cli, models
 from hybridkv_cli.compression import make_policy
+from hybridkv_cli.demo import build_demo
 from hybridkv_cli.errors import ModelError
 from hybridkv_cli.families import FAMILIES
 from hybridkv_cli.generation import generate
@@ -62,7 +63,8 @@ def media(files):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return {family: build_tiny(family) for family in TINY_FAMILIES}
+    """The tiny model of every family; ``qwen25vl`` is the demo's random Qwen2.5-VL."""
+    return {"qwen25vl": build_demo(), **{family: build_tiny(family) for family in TINY_FAMILIES}}
 
 
 def test_every_family_has_a_tiny_model_by_name():
@@ -93,7 +95,7 @@ def _vision_positions(loaded, prompt) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["images", "image", "video"])
-@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+@pytest.mark.parametrize("family", ["qwen25vl", *sorted(TINY_FAMILIES)])
 def test_visual_mask_is_exactly_the_vision_tokens(tiny, media, family, kind):
     loaded = tiny[family]
     prompt = build_prompt(loaded.processor, media[kind], QUESTION)
