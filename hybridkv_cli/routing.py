@@ -10,11 +10,12 @@ the earlier method in the candidate list). Cost: layers x methods x tasks genera
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 from hybridkv_cli.bench import Task, is_correct
 from hybridkv_cli.compression import make_policy
+from hybridkv_cli.compression.route import refusal
+from hybridkv_cli.errors import UsageError
 from hybridkv_cli.fidelity import rouge_l
 
 
@@ -27,24 +28,24 @@ def build_route(session, tasks: list[Task], methods: list[str], budget: float, o
     is called before each generation (progress).
     """
     for name in methods:  # a bad budget or method is refused before the model loads
+        if reason := refusal(name):
+            raise UsageError(reason, "--methods")
         make_policy(name, budget=budget)
     num_layers = session.model().model.config.get_text_config().num_hidden_layers
     prepared = [session.prepare(session.load_media(t.media) if t.media else None, t.question,
                                 context=t.context, source=t.id) for t in tasks]
     reference = [session.run(p, make_policy("full"))["answer"] for p in prepared]
     scores = {m: [[] for _ in range(num_layers)] for m in methods}
-    with tempfile.TemporaryDirectory() as tmp:
-        for layer in range(num_layers):
-            for method in methods:
-                path = Path(tmp) / f"{layer}-{method}.json"
-                path.write_text(json.dumps({"layers": ["full"] * layer + [method] + ["full"] * (num_layers - layer - 1)}))
-                policy = make_policy("route", budget=budget, route=str(path))
-                for task, prep, ref in zip(tasks, prepared, reference):
-                    if on_run:
-                        on_run(f"layer {layer} {method} {task.id}")
-                    answer = session.run(prep, policy)["answer"]
-                    scores[method][layer].append((is_correct(answer, task.answers) if task.answers else None,
-                                                  rouge_l(answer, ref)))
+    for layer in range(num_layers):
+        for method in methods:
+            only = ["full"] * layer + [method] + ["full"] * (num_layers - layer - 1)
+            policy = make_policy("route", budget=budget, route=only)
+            for task, prep, ref in zip(tasks, prepared, reference):
+                if on_run:
+                    on_run(f"layer {layer} {method} {task.id}")
+                answer = session.run(prep, policy)["answer"]
+                scores[method][layer].append((is_correct(answer, task.answers) if task.answers else None,
+                                              rouge_l(answer, ref)))
     profile = {"budget": budget, "tasks": len(tasks), "methods": methods, "per_layer": []}
     route = []
     for layer in range(num_layers):

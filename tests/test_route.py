@@ -58,6 +58,28 @@ def test_bad_route_files_are_usage_errors(tmp_path, content, message):
         make_policy("route", budget=0.1, route=str(path))
 
 
+@pytest.mark.parametrize("name", ["full", "quest"])
+def test_a_route_may_not_name_a_method_that_keeps_the_whole_prompt(tmp_path, name):
+    """One budget for the whole model: a file or a pattern naming full or quest is refused, with
+    the layer."""
+    path = tmp_path / "route.json"
+    path.write_text(json.dumps({"layers": ["snapkv", name, "snapkv"]}))
+    for route in (str(path), f"snapkv,{name}"):
+        with pytest.raises(UsageError, match=f"layer 1: '{name}' keeps .* one budget for the whole model") as e:
+            make_policy("route", budget=0.1, route=route)
+        assert str(e.value).startswith(f"{route}: ") and "\n" not in str(e.value)
+
+
+def test_the_route_builder_refuses_quest_as_a_candidate(tmp_path, capsys):
+    tasks = tmp_path / "dev.jsonl"
+    tasks.write_text(json.dumps({"id": "t", "question": "Which?", "context": "x"}))
+    out = tmp_path / "route.json"
+    assert cli.run(["route", "--tasks", str(tasks), "--model", "demo", "--methods", "snapkv,quest",
+                    "-o", str(out), "-q"]) == 2
+    assert "--methods: 'quest' keeps the whole prompt on the device" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_a_route_for_another_layer_count_is_refused(tmp_path):
     path = tmp_path / "route.json"
     path.write_text(json.dumps({"layers": ["snapkv", "snapkv"]}))

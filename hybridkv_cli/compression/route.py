@@ -6,11 +6,12 @@ the idea and what is this project's design). A route file is JSON::
 
     {"layers": ["hybridkv", "snapkv", ...], "options": {"hybridkv": {"theta": 0.9}, ...}}
 
-with one registered method per text layer (``route`` itself excluded) and, optionally, options
-per method. ``route`` may also be a comma-separated pattern of methods, repeated over the layers
-(``"hybridkv,snapkv"``: even layers hybridkv, odd ones snapkv). Every layer runs its method at the same budget, so the model keeps ``b`` of its
-cache as a whole. ``hybridkv route`` builds such a file from an offline profile
-(:mod:`hybridkv_cli.routing`).
+with one registered method per text layer (``route`` itself, ``full`` and ``quest`` excluded: they
+keep a layer's whole prompt on the device, outside the one budget) and, optionally, options per
+method. ``route`` may also be a comma-separated pattern of methods, repeated over the layers
+(``"hybridkv,snapkv"``: even layers hybridkv, odd ones snapkv). Every layer runs its method at
+the same budget, so the model keeps ``b`` of its cache as a whole. ``hybridkv route`` builds such
+a file from an offline profile (:mod:`hybridkv_cli.routing`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.errors import UsageError
 
 
-def read_route(path: str) -> tuple[list[str], dict[str, dict], bool]:
+def read_route(path: str | list[str]) -> tuple[list[str], dict[str, dict], bool]:
     """(methods, options per method, whether the methods are a pattern to repeat) of a route file
-    or a pattern; a UsageError naming the file."""
+    or a pattern; a UsageError naming the file. A list is the route builder's single-layer profile
+    (the other layers ``full``), taken as given."""
+    if isinstance(path, list):
+        return path, {}, False
     names = path.split(",")
     if not Path(path).exists() and ("," in path or path in METHODS):  # a pattern, not a file
         _check(names, path)
@@ -45,11 +49,24 @@ def read_route(path: str) -> tuple[list[str], dict[str, dict], bool]:
     return layers, options, False
 
 
+# Every layer of a route keeps b of its cache; these keep the whole prompt on the device.
+UNROUTABLE = {"full": "keeps the layer's whole cache", "quest": "keeps the whole prompt on the device (it saves reads)"}
+
+
+def refusal(name) -> str | None:
+    """Why a route may not name method ``name``; None if it may."""
+    if name in UNROUTABLE:
+        return f"'{name}' {UNROUTABLE[name]}, which breaks the route's one budget for the whole model"
+    if name not in METHODS or name == "route":
+        available = sorted(set(METHODS) - {"route", *UNROUTABLE})
+        return f"unknown method '{name}' in the route (available: {', '.join(available)})"
+    return None
+
+
 def _check(layers: list, path: str) -> None:
-    for name in layers:
-        if name not in METHODS or name == "route":
-            raise UsageError(f"unknown method '{name}' in the route (available: "
-                             f"{', '.join(sorted(set(METHODS) - {'route'}))})", path)
+    for index, name in enumerate(layers):
+        if reason := refusal(name):
+            raise UsageError(f"layer {index}: {reason}", path)
 
 
 @register("route")
@@ -59,11 +76,12 @@ class Route(Policy):
 
     Parameters
     ----------
-    route : str
-        The route file (JSON, see the module docstring), or a pattern of methods.
+    route : str or list of str
+        The route file (JSON, see the module docstring), or a pattern of methods; a list is the
+        route builder's single-layer profile.
     """
 
-    route: str | None = None
+    route: str | list[str] | None = None
 
     def __post_init__(self):
         super().__post_init__()
