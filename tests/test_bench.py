@@ -193,6 +193,27 @@ def test_bad_task_file_is_one_line_exit_2(tmp_path, capsys, lines, reason):
     assert err.startswith(f"error: {tasks}:{reason}") and err.count("\n") == 1  # one line, no traceback
 
 
+def test_route_rows_with_a_route_file(tmp_path, capsys):
+    """``--methods route --route FILE``: the route's rows at each budget, exact at b = 1, within
+    the budget at b = 0.1 (a video of ~600 tokens, 4 layers of the demo)."""
+    route = tmp_path / "route.json"
+    route.write_text(json.dumps({"layers": ["hybridkv", "snapkv", "streamingllm", "snapkv"]}))
+    out = tmp_path / "bench"
+    code, _, err = bench([str(REPO / "sample_media" / "shapes.mp4"), "Which shape?", "--frames", "8",
+                          "--budgets", "0.1,1.0", "--out", str(out), "--model", "demo-random", "--methods", "route",
+                          "--route", str(route), "--max-new-tokens", "4", "-q"], capsys)
+    assert code == 0, err
+    result = json.loads((out / "bench.json").read_text())
+    assert result["config"]["options"]["route"] == str(route)
+    runs = {(it["method"], it["budget"]): it for it in result["items"]}
+    assert list(runs) == [("full", 1.0), ("route", 0.1), ("route", 1.0)]
+    assert all(it["error"] is None for it in runs.values())
+    assert runs[("route", 1.0)]["answer"] == runs[("full", 1.0)]["answer"]
+    assert runs[("route", 1.0)]["fidelity"] == 1.0
+    assert runs[("route", 0.1)]["tokens"]["visual_tokens"] > 500
+    assert runs[("route", 0.1)]["kv_ratio"] < 0.13  # b plus rounding and the 4 generated tokens
+
+
 @pytest.mark.parametrize("argv,message", [
     (["{image}", "q", "--methods", "hybridkv,nope"], "error: --methods: unknown method 'nope' (available: "),
     (["{image}", "q", "--budgets", "0.1,2"], "error: --budgets: budget must be in (0, 1], got 2"),
