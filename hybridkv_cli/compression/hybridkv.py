@@ -9,12 +9,12 @@ import torch
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.allocate import LayerPlan, plan_layer
-from hybridkv_cli.compression.base import Compressed, LayerKV, Policy, PrefillLayer, check_choice
+from hybridkv_cli.compression.base import Compressed, LayerKV, PrefillLayer, check_choice
 from hybridkv_cli.compression.budget import budget_entries, fit_window
 from hybridkv_cli.compression.classify import classify_static
 from hybridkv_cli.compression.landmarks import LANDMARKS
 from hybridkv_cli.compression.refresh import (
-    REFRESH_KINDS, RateController, Refresher, RefreshOptions, refresh_summary, split_slots,
+    RateController, Refresher, RefreshOptions, RefreshPolicy, refresh_summary, split_slots,
 )
 from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_cli.compression.static_prune import text_prior_keep
@@ -69,7 +69,7 @@ class LayerRecord:
 
 @register("hybridkv")
 @dataclass
-class HybridKV(Policy):
+class HybridKV(RefreshPolicy):
     """HybridKV: text-centric head classification, top-down budgets, text-prior pruning + chunk retrieval.
 
     Defaults: the paper's θ, p and r; sink-aware scores, rate-controlled refresh of static heads
@@ -113,15 +113,10 @@ class HybridKV(Policy):
     chunk_size: int | None = None
     alpha: float = 0.2
     landmark: str = "mean"
-    refresh: str = "rcr"
-    refresh_rate: float = 0.4
-    refresh_period: int = 3
-    refresh_slots: int = 256
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("landmark", self.landmark, LANDMARKS)
-        check_choice("refresh", self.refresh, REFRESH_KINDS)
 
     def chunk_for(self, length: int) -> int:
         """The chunk size at a ``length``-token prompt. Fine chunks when a dynamic head can hold

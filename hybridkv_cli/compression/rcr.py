@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv_cli.compression import register
-from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer, check_choice
+from hybridkv_cli.compression.base import Compressed, PrefillLayer
 from hybridkv_cli.compression.budget import budget_entries, fit_window
 from hybridkv_cli.compression.hybridkv import HybridLayerKV
 from hybridkv_cli.compression.refresh import (
-    REFRESH_KINDS, RateController, Refresher, RefreshOptions, refresh_summary, split_slots,
+    RateController, Refresher, RefreshOptions, RefreshPolicy, refresh_summary, split_slots,
 )
 from hybridkv_cli.compression.scoring import snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
@@ -26,7 +26,7 @@ from hybridkv_cli.compression.store import RaggedStore
 
 @register("rcr")
 @dataclass
-class RCR(Policy):
+class RCR(RefreshPolicy):
     """Rate-controlled refresh over a SnapKV selection.
 
     Parameters
@@ -43,14 +43,6 @@ class RCR(Policy):
     """
 
     window: int = 32
-    refresh: str = "rcr"
-    refresh_rate: float = 0.4
-    refresh_period: int = 3
-    refresh_slots: int = 256
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_choice("refresh", self.refresh, REFRESH_KINDS)
 
     def compress(self, layer: PrefillLayer) -> Compressed:
         n, heads = layer.length, layer.num_heads

@@ -38,11 +38,27 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridkv_cli.compression.base import Policy, check_choice
 from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
 from hybridkv_kernels import chunk_gather
 
 REFRESH_KINDS = ("none", "rcr", "periodic")
+
+
+@dataclass
+class RefreshPolicy(Policy):
+    """Base of the methods that refresh pruned heads: their refresh fields (documented by each
+    method), checked once here."""
+
+    refresh: str = "rcr"
+    refresh_rate: float = 0.4
+    refresh_period: int = 3
+    refresh_slots: int = 256
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("refresh", self.refresh, REFRESH_KINDS)
 
 
 @dataclass(frozen=True)
@@ -80,9 +96,8 @@ class RefreshOptions:
     tau: float | None = None
 
     @classmethod
-    def of(cls, policy) -> "RefreshOptions":
-        """The options of a policy with ``refresh``, ``refresh_rate``, ``refresh_period`` and
-        ``refresh_slots`` fields."""
+    def of(cls, policy: RefreshPolicy) -> "RefreshOptions":
+        """The options a policy's refresh fields set."""
         return cls(kind=policy.refresh, rate=policy.refresh_rate, period=policy.refresh_period,
                    slots=policy.refresh_slots)
 
