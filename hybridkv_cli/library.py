@@ -30,7 +30,7 @@ from hybridkv_cli.record import measurements
 __all__ = ["CompressionRun", "compress", "media_token_ids", "roles_from_ids"]
 
 # Config attributes naming the placeholder tokens that stand for image / video patches
-# (Qwen2-VL / Qwen2.5-VL: *_token_id; LLaVA-style configs: *_token_index).
+# (Qwen2-VL / Qwen2.5-VL / Qwen3-VL: *_token_id; LLaVA-style configs: *_token_index).
 _MEDIA_TOKEN_ATTRS = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
 _CACHE_NAMES = ("cache", "past_key_values")  # transformers 5 calls it `cache`; the old name is still taken
 
@@ -182,7 +182,8 @@ def compress(model, method: str | Policy = "hybridkv", budget: float | None = No
     Parameters
     ----------
     model : transformers PreTrainedModel
-        Qwen2.5-VL or a decoder LM (Llama / Qwen2 families), as the caller loaded it.
+        A Qwen2-VL, Qwen2.5-VL, Qwen3-VL or LLaVA-OneVision model, or a decoder LM (Llama / Qwen2
+        families), as the caller loaded it.
     method : str or Policy
         A registered method (``hybridkv``, ``snapkv``, ...) or a ready policy.
     budget : float, optional

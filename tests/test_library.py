@@ -1,8 +1,9 @@
 """``hybridkv_cli.compress``: compression around the caller's own ``model.generate``.
 
-Inputs are built the way a user builds them (the processor called directly), on the demo
-Qwen2.5-VL (an image set and a video) and tiny Llama and Qwen2 decoders (a text prompt). At b = 1 every
-method gives exactly the tokens of the same stock ``generate`` call; the report carries the CLI
+Inputs are built the way a user builds them (the processor called directly): an image set and a
+video on the demo Qwen2.5-VL and on the tiny random Qwen2-VL, Qwen3-VL and LLaVA-OneVision models
+(:mod:`hybridkv_cli.tiny_models`), and a text prompt on tiny Llama and Qwen2 decoders. At b = 1
+every method gives exactly the tokens of the same stock ``generate`` call; the report carries the CLI
 record's fields and, for the same prompt, the same KV numbers; the model is restored on exit,
 also after an exception; the documented example runs as written.
 """
@@ -29,6 +30,7 @@ from hybridkv_cli.errors import UsageError
 from hybridkv_cli.library import roles_from_ids
 from hybridkv_cli.media import load_media
 from hybridkv_cli.prompt import build_prompt
+from hybridkv_cli.tiny_models import TINY_FAMILIES, build_tiny
 
 sys.path.insert(0, str(Path(__file__).parent))
 from media_fixtures import make_noise_video  # noqa: E402
@@ -36,7 +38,9 @@ from method_options import needed  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = sorted(METHODS)
-KINDS = ["images", "video", "llama", "qwen2"]
+# FAMILY/MEDIA: the same image set / video on the tiny model of another multimodal family
+FAMILY_KINDS = [f"{family}/{m}" for family in sorted(TINY_FAMILIES) for m in ("images", "video")]
+KINDS = ["images", "video", "llama", "qwen2", *FAMILY_KINDS]
 TEXT_KINDS = {"llama", "qwen2"}
 NEW_TOKENS = 6
 QUESTION = "What happens?"
@@ -86,12 +90,14 @@ def cases(demo):
     images = [_blocky(0, 224, 168), _blocky(1, 168, 224)]
     # A video as frames in memory ((T, 3, H, W) uint8), as a user's own decoder hands them over.
     frames = torch.stack([torch.from_numpy(np.array(_blocky(10 + t, 224, 168))).permute(2, 0, 1) for t in range(8)])
-    inputs = {
-        "images": user_inputs(demo.processor, [{"type": "image"}] * 2, images=images),
-        "video": user_inputs(demo.processor, [{"type": "video"}], videos=[frames]),
-        **{kind: dict(demo.tokenizer(CONTEXT + "\n\n" + QUESTION, return_tensors="pt")) for kind in TEXT_KINDS},
-    }
-    models = {"images": demo.model, "video": demo.model, **{k: text_model(k, demo.tokenizer) for k in TEXT_KINDS}}
+    # kind prefix -> a multimodal model: "" the demo Qwen2.5-VL, "FAMILY/" a tiny random one
+    multimodal = {"": demo, **{f"{family}/": build_tiny(family) for family in TINY_FAMILIES}}
+    inputs = {kind: dict(demo.tokenizer(CONTEXT + "\n\n" + QUESTION, return_tensors="pt")) for kind in TEXT_KINDS}
+    models = {kind: text_model(kind, demo.tokenizer) for kind in TEXT_KINDS}
+    for prefix, loaded in multimodal.items():
+        inputs[prefix + "images"] = user_inputs(loaded.processor, [{"type": "image"}] * 2, images=images)
+        inputs[prefix + "video"] = user_inputs(loaded.processor, [{"type": "video"}], videos=[frames])
+        models[prefix + "images"] = models[prefix + "video"] = loaded.model
     out = {}
     for kind in KINDS:
         with torch.inference_mode():
