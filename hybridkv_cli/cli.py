@@ -89,8 +89,9 @@ def ask(
         paths, question = list(args or []) if context is None else [], None
         if context is not None and args:
             raise UsageError("with --context and --question/--questions give no arguments", "arguments")
-    if context is not None and (each or output is not None):
-        raise UsageError("--context is one text input; --each and --output take media inputs", "--context")
+    if context is not None and (each or output is not None or workers or ray):
+        raise UsageError("--context is one text input; --each, --output and --workers take media inputs",
+                         "--context")
     model, dtype, caches = resolve_cache_inputs(paths, model, dtype)
     multi = asked is not None or caches  # one compression (or a .hkv file), one record per question
     options = AskOptions(
@@ -99,14 +100,13 @@ def ask(
         defer_question=defer_question or multi,
         method_options=given,
     )
-    if multi and (workers or ray):
-        raise UsageError("several questions or .hkv inputs run in one process for now", "--workers")
     if multi:
         from hybridkv_cli.multi_run import ask_questions
 
         return ask_questions(Session(options, stage=status(quiet)), paths, asked or [(question, ())],
                              context=context, each=each, caches=caches, as_json=as_json, jsonl=jsonl,
-                             output=output, resume=resume, quiet=quiet, debug=debug)
+                             output=output, resume=resume, quiet=quiet, debug=debug, workers=workers, address=ray,
+                             gpus_per_worker=gpus_per_worker)
     session = Session(options, stage=status(quiet))  # refuses a bad method or option before any input is read
     batch = each or "-" in paths or jsonl or output is not None or workers or ray
     if as_json and jsonl:

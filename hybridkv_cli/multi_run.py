@@ -53,9 +53,11 @@ def resolve_cache_inputs(paths: list[str], model: str | None, dtype: str) -> tup
 
 def ask_questions(session, paths: list[str], asked: list[tuple[str, tuple[str, ...]]], *, context: str | None,
                   each: bool, caches: bool, as_json: bool, jsonl: bool, output, resume: bool, quiet: bool,
-                  debug: bool) -> int:
+                  debug: bool, workers: int | None = None, address: str | None = None,
+                  gpus_per_worker: float = 0.0) -> int:
     """Answer every question about every input (each compressed once, or read from its ``.hkv``
-    file); one record per question. Returns the exit status."""
+    file); one record per question. ``workers`` / ``address``: on Ray workers
+    (:func:`~hybridkv_cli.distributed.run_distributed`, the same records). Returns the exit status."""
     from rich.console import Console
 
     from hybridkv_cli.batch import run_batch
@@ -80,10 +82,14 @@ def ask_questions(session, paths: list[str], asked: list[tuple[str, tuple[str, .
         print(json.dumps(record), flush=True)
         return 0
     single = len(items) == 1 and output is None and not jsonl
-    summary = run_batch(items, None, session, console=err, jsonl=sys.stdout if jsonl else None,
-                        human=Console() if not jsonl and output is None else None, output=output, resume=resume,
-                        quiet=quiet or single, debug=debug, questions=asked, context=text)
-    return summary.exit_code
+    kw = dict(console=err, jsonl=sys.stdout if jsonl else None, human=Console() if not jsonl and output is None
+              else None, output=output, resume=resume, quiet=quiet or single, debug=debug, questions=asked)
+    if workers or address:
+        from hybridkv_cli.distributed import run_distributed
+
+        return run_distributed(items, None, session.options, workers=workers, address=address,
+                               gpus_per_worker=gpus_per_worker, **kw).exit_code
+    return run_batch(items, None, session, context=text, **kw).exit_code
 
 
 def cache_targets(items, output: Path, each: bool) -> list[Path]:

@@ -95,6 +95,27 @@ def test_two_workers_give_the_single_process_records(local_ray, folder):
 
 
 @needs_ray
+def test_several_questions_and_cache_files_on_two_workers_give_the_single_process_records(local_ray, folder,
+                                                                                          tmp_path, capsys):
+    def records(argv, code):
+        assert cli.run(argv) == code
+        return sorted(comparable(json.loads(line)) for line in capsys.readouterr().out.splitlines())
+
+    asked = ["-Q", QUESTION, "-Q", "What colour is it?", "--jsonl", "-q"]
+    argv = ["ask", str(folder), "--each", *asked, *FAST]
+    single = records(argv, 1)
+    assert records([*argv, "--workers", "2"], 1) == single  # one record per question, error records as one process
+    assert len(single) == 5 * 2 + 2 and len(set(single)) == len(single)
+
+    caches = tmp_path / "caches"
+    assert cli.run(["compress", str(folder / "clip0.mp4"), str(folder / "clip1.mp4"), "--each", "-o", str(caches),
+                    "-q", *FAST[:6]]) == 0
+    argv = ["ask", *sorted(str(p) for p in caches.iterdir()), *asked, "--max-new-tokens", "2"]
+    single = records(argv, 0)
+    assert records([*argv, "--workers", "2"], 0) == single and len(single) == 2 * 2
+
+
+@needs_ray
 def test_a_dead_worker_retries_once_then_records_an_error(local_ray, folder, tmp_path):
     flag = tmp_path / "killed-once"
 
