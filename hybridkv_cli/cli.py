@@ -275,7 +275,8 @@ def compress(
     route: Optional[str] = ROUTE,
     each: bool = EACH, jsonl: bool = typer.Option(False, "--jsonl", help="One JSON line per input on stdout "
                                                   "(its cache file and sizes, or its error)."),
-    resume: bool = typer.Option(False, "--resume", help="Skip inputs whose cache file already exists."),
+    resume: bool = typer.Option(False, "--resume", help="Skip inputs whose cache file already holds this "
+                                "cache (another model, method or options: compressed again)."),
     quiet: bool = QUIET, debug: bool = DEBUG,
 ):
     given = _method_options(locals())  # first: the parameters only

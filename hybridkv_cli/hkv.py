@@ -185,6 +185,16 @@ def check_header(header: dict, loaded, source: str, method: str | None = None) -
                              "file's method answers) or compress again", source)
 
 
+def matches(header: dict, loaded, policy) -> bool:
+    """Whether a file with ``header`` holds what ``policy`` on ``loaded`` would write now (``compress
+    --resume`` keeps it): the same format and library version, model, dtype, method and options."""
+    try:
+        check_header(header, loaded, "", policy.name)
+    except CacheFileError:
+        return False
+    return header.get("options") == json.loads(json.dumps(_policy_options(policy), default=str))
+
+
 def load(path: str | os.PathLike, loaded, method: str | None = None) -> CompressedPrefix:
     """The compressed prefix saved in ``path``, on the model's device (see the module docstring)."""
     from safetensors.torch import load_file

@@ -116,24 +116,27 @@ def cache_targets(items, output: Path, each: bool) -> list[Path]:
 def run_compress(session, items, output: Path, *, each: bool, resume: bool, console, quiet: bool,
                  debug: bool, jsonl=None) -> int:
     """``hybridkv compress``: write one ``.hkv`` file per input. ``resume``: an input whose file
-    already holds a cache is skipped. A failed input is one error line (and a JSON line
-    ``{"input", "error"}`` with ``jsonl``); the others go on. Returns the exit status."""
+    already holds the cache this command writes (:func:`hkv.matches`) is skipped; one made with
+    another model, method or options is written again. A failed input is one error line (and a
+    JSON line ``{"input", "error"}`` with ``jsonl``); the others go on. Returns the exit status."""
     from rich.markup import escape
 
     from hybridkv_cli import hkv, signals
     from hybridkv_cli.batch import Summary, error_record
 
-    summary = Summary()
+    summary, stale = Summary(), 0
     targets = cache_targets(items, output, each)
     try:
         for item, target in zip(items, targets):
+            header = None
             if resume and target.exists():
                 try:
-                    hkv.read_header(target)
-                    summary.skipped += 1
-                    continue
+                    header = hkv.read_header(target)
                 except HybridKVError:
                     pass  # not a finished cache: write it again
+                if header is not None and hkv.matches(header, session.model(), session.policy):
+                    summary.skipped += 1
+                    continue
             signals.raise_if_stopped()  # a stop whose exception a destructor swallowed
             started = time.perf_counter()
             try:
@@ -153,6 +156,7 @@ def run_compress(session, items, output: Path, *, each: bool, resume: bool, cons
                     jsonl.flush()
                 continue
             summary.ok += 1
+            stale += header is not None
             line = {"input": item.key, "cache": str(target), "file_bytes": size, "device_bytes": prefix.device_bytes,
                     "host_bytes": prefix.host_bytes, "prefill_s": prefix.prefill_s, "method": prefix.policy.name,
                     "budget": prefix.policy.budget, "seconds": time.perf_counter() - started}
@@ -169,5 +173,7 @@ def run_compress(session, items, output: Path, *, each: bool, resume: bool, cons
                              "--resume to continue)"), highlight=False, soft_wrap=True)
     if not quiet and not summary.interrupted:
         skipped = f", {summary.skipped} skipped (already compressed)" if summary.skipped else ""
-        console.print(f"done: {summary.ok} compressed, {summary.failed} failed{skipped}", highlight=False)
+        again = f" ({stale} replacing a cache of another model, method or options)" if stale else ""
+        console.print(f"done: {summary.ok} compressed{again}, {summary.failed} failed{skipped}", highlight=False,
+                      soft_wrap=True)
     return summary.exit_code

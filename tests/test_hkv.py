@@ -204,6 +204,26 @@ def test_cli_compress_each_folder_resume_and_ask_all(tmp_path, capsys):
     assert [(r["input"]["label"], r["question"]) for r in records] == [(c, q) for c in caches for q in QUESTIONS]
 
 
+def test_cli_compress_resume_redoes_a_cache_of_other_settings(tmp_path, capsys):
+    (tmp_path / "media").mkdir()
+    make_video(tmp_path / "media" / "a.mp4", n=6)
+    out = tmp_path / "caches"
+    argv = ["compress", str(tmp_path / "media"), "--each", "-o", str(out), "--model", "demo", *FAST[:4]]
+    target = out / "a.mp4.hkv"
+    for extra, done in [([], "done: 1 compressed, 0 failed"),
+                        (["--resume", "--method", "snapkv"], "done: 1 compressed (1 replacing a cache of another "
+                         "model, method or options), 0 failed"),
+                        (["--resume", "--method", "snapkv", "--budget", "0.2"], "done: 1 compressed (1 replacing"),
+                        (["--resume", "--method", "snapkv", "--budget", "0.2"], "done: 0 compressed, 0 failed, "
+                         "1 skipped (already compressed)")]:
+        stamp = target.stat().st_mtime_ns if target.exists() else None
+        assert cli.run([*argv, *extra]) == 0
+        assert done in capsys.readouterr().err, extra
+        assert (target.stat().st_mtime_ns == stamp) == ("skipped" in done)
+    header = hkv.read_header(target)
+    assert header["method"] == "snapkv" and header["options"]["budget"] == 0.2
+
+
 def test_mixing_caches_and_media_is_a_usage_error(good, capsys):
     assert cli.run(["ask", str(good), str(SAMPLE), "What?"]) == 2
     assert "give either .hkv cache files or media, not both" in capsys.readouterr().err
