@@ -4,12 +4,16 @@ Runs where lmms-eval is installed (``pip install 'hybridkv[eval]'``, in an envir
 docs/evaluate.md) and is skipped elsewhere. Requests are lmms-eval ``Instance`` objects over a
 toy task held in ``task_dict`` (no dataset download): an image set handed over as PIL images,
 a video handed over as a path, and a text-only question. Each answer must equal the CLI's
-(``hybridkv ask ... --json``) for the same files, question and method.
+(``hybridkv ask ... --json``) for the same files, question and method. The command block of
+docs/evaluate.md marked as tested runs as written: lmms-eval's own CLI on a local task.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +32,7 @@ from hybridkv_cli.lmms_eval_model import HybridKV, stop_at  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from media_fixtures import make_noise_video  # noqa: E402
 
+REPO = Path(__file__).resolve().parent.parent
 QUESTION = "What happens in the clip?"
 NEW_TOKENS = 5
 ARGS = "pretrained={model},method=snapkv,budget=0.3,window=8,device=cpu,frames=8,max_new_tokens=20,kv_log={log}"
@@ -167,3 +172,24 @@ def test_loglikelihood_through_the_compressed_cache(tmp_path, docs):
     answer = full.generate_until([request(0)])[0].text
     assert answer and full.loglikelihood([loglikelihood_request(0, answer)])[0][1] is True
     assert full.loglikelihood([loglikelihood_request(0, "zzz " + answer)])[0][1] is False
+
+
+def test_documented_cli_run_on_an_offline_task(tmp_path):
+    """docs/evaluate.md's tested block, run by bash beside a ``sample_media`` folder: lmms-eval's
+    own CLI (``--model hybridkv``, hybridkv at 0.1 on the trained demo) over a local task."""
+    text = (REPO / "docs" / "evaluate.md").read_text()
+    block = re.search(r"<!-- tested: tests/test_lmms_eval.py -->\n```bash\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "sample_media").symlink_to(REPO / "sample_media")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "HF_HOME": str(tmp_path / "hf")}  # lmms-eval from this environment; the dataset cache in tmp
+    done = subprocess.run(["bash", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    # lmms-eval exits 0 after a failed evaluation too: its results file is the evidence.
+    results = list((tmp_path / "logs" / "toy").glob("*/*_results.json"))
+    assert len(results) == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert json.loads(results[0].read_text())["results"]["hybridkv_toy"]["exact_match,none"] == 1.0
+    kv = [json.loads(line) for line in (tmp_path / "logs" / "toy.kv.jsonl").read_text().splitlines()]
+    assert [(s["task"], s["doc_id"], s["answer"]) for s in kv] == [("hybridkv_toy", 0, "green"),
+                                                                   ("hybridkv_toy", 1, "red")]
+    for sample in kv:
+        assert (sample["method"], sample["budget"]) == ("hybridkv", 0.1)
+        assert sample["kv"]["over_budget_bytes"] == 0 and 0 < sample["kv"]["prompt_ratio"] <= 0.1
