@@ -7,7 +7,8 @@ driver keeps every actor busy with one input from its queue, takes the results a
 single-process :func:`~hybridkv_cli.batch.run_batch` (the same JSONL lines, fsynced one by one,
 the same error records, ``--resume`` and exit codes). An actor that dies (killed, out of memory)
 loses only the input it held: a new actor replaces it and the input is tried once more, then
-recorded as an error. Why not Ray Data: see docs/scale-out.md.
+recorded as an error; one that dies loading the model is replaced once. Why not Ray Data: see
+docs/scale-out.md.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from hybridkv_cli.inputs import Item
 from hybridkv_cli.progress import Progress
 
 INSTALL = 'pip install -e ".[ray]"'
-#: How many times an input is tried on a new worker after its worker died.
+#: How many times an input is tried on a new worker after its worker died (and how many times a
+#: worker that died loading the model is replaced).
 RETRIES = 1
 
 
@@ -51,11 +53,13 @@ class Worker:
         from hybridkv_cli.session import Session
 
         self.session = Session(options)
-        self.fault = fault  # tests: called with each item before it is answered (to kill the worker)
+        self.fault = fault  # tests: called with None before the model loads, then with each item (to kill the worker)
 
     def ready(self) -> float:
         """Load the model; the seconds it took."""
         started = time.perf_counter()
+        if self.fault is not None:
+            self.fault(None)
         self.session.model()
         return time.perf_counter() - started
 
@@ -184,14 +188,7 @@ def _drive(ray, items, question, options, n, gpus, recorder: Recorder, progress:
         return spawned[-1]
 
     load_started = time.perf_counter()
-    actors = [spawn() for _ in range(min(n, len(items)))]
-    try:
-        ray.get([a.ready.remote() for a in actors])
-    except RayTaskError as e:
-        cause = e.as_instanceof_cause()
-        if isinstance(cause, HybridKVError):
-            raise ModelError(cause.reason, cause.source) from None
-        raise
+    actors = _ready(ray, spawn, min(n, len(items)), lost_errors, options.model)
     if not quiet:
         console.print(f"{len(actors)} worker{'s' if len(actors) > 1 else ''} ready in "
                       f"{time.perf_counter() - load_started:.1f} s", highlight=False, soft_wrap=True)
@@ -240,6 +237,37 @@ def _drive(ray, items, question, options, n, gpus, recorder: Recorder, progress:
         finally:  # stopped or failed: the inputs in flight are dropped with their workers
             for actor in spawned:
                 ray.kill(actor, no_restart=True)
+
+
+def _ready(ray, spawn, n: int, lost_errors, model: str) -> list:
+    """``n`` actors with the model loaded. One that dies loading it (killed, out of memory) is
+    replaced; a replacement that dies too ends the run (one line; the completed lines are kept)."""
+    from ray.exceptions import RayTaskError
+
+    pending = {}  # ready() ref -> (actor, how many workers died before it in its place)
+    for _ in range(n):
+        actor = spawn()
+        pending[actor.ready.remote()] = (actor, 0)
+    actors = []
+    while pending:
+        (ref,), _ = ray.wait(list(pending), num_returns=1)
+        actor, lost = pending.pop(ref)
+        try:
+            ray.get(ref)
+        except lost_errors as e:
+            if lost >= RETRIES:
+                raise ModelError(f"a worker died loading the model {lost + 1} times ({type(e).__name__}); see how "
+                                 "much memory a worker needs in docs/scale-out.md", model) from None
+            actor = spawn()
+            pending[actor.ready.remote()] = (actor, lost + 1)
+            continue
+        except RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, HybridKVError):
+                raise ModelError(cause.reason, cause.source) from None
+            raise
+        actors.append(actor)
+    return actors
 
 
 class BenchWorker:

@@ -122,6 +122,8 @@ def test_a_dead_worker_retries_once_then_records_an_error(local_ray, folder, tmp
     def fault(item):  # runs in the worker: clip1 kills its worker once, clip2 every time
         import os as _os
 
+        if item is None:  # the model load
+            return
         if item.key.endswith("clip1.mp4") and not _os.path.exists(flag):
             open(flag, "w").close()
             _os._exit(1)
@@ -139,6 +141,36 @@ def test_a_dead_worker_retries_once_then_records_an_error(local_ray, folder, tmp
     assert lost["type"] == "WorkerLost" and "died 2 times" in lost["message"]
     assert (summary.ok, summary.failed) == (4, 3)
     assert output.read_text().splitlines() == [json.dumps(r) for r in records]
+
+
+@needs_ray
+def test_a_worker_dead_while_loading_is_replaced_once(local_ray, folder, tmp_path):
+    from hybridkv_cli.errors import ModelError
+
+    flag = tmp_path / "killed-once"
+
+    def once(item):  # runs in the worker: the first model load kills its worker
+        import os as _os
+
+        if item is None and not _os.path.exists(flag):
+            open(flag, "w").close()
+            _os._exit(1)
+
+    items = plan_inputs([str(folder)], each=True)
+    summary, records, err = distributed(items, fault=once)
+    assert (summary.ok, summary.failed, len(records)) == (5, 2, 7) and "2 workers ready" in err
+
+    def always(item):
+        if item is None:
+            import os as _os
+
+            _os._exit(1)
+
+    output = tmp_path / "out.jsonl"
+    output.write_text(json.dumps(records[0]) + "\n")  # a line of an earlier run
+    with pytest.raises(ModelError, match=r"^demo: a worker died loading the model 2 times \(\w+\); see how much memory"):
+        distributed(items, fault=always, output=output)
+    assert output.read_text() == json.dumps(records[0]) + "\n"
 
 
 @needs_ray
@@ -174,7 +206,7 @@ def test_a_stop_signal_stops_the_workers_and_keeps_the_completed_lines(local_ray
         import signal as _signal
         import time as _time
 
-        if item.key.endswith("clip3.mp4"):
+        if item is not None and item.key.endswith("clip3.mp4"):
             _os.kill(driver, getattr(_signal, signame))
             _time.sleep(60)
 
@@ -187,6 +219,7 @@ def test_a_stop_signal_stops_the_workers_and_keeps_the_completed_lines(local_ray
     lines = output.read_text().splitlines()
     assert lines == [json.dumps(r) for r in records] and len(lines) == summary.ok + summary.failed < len(items)
     assert not any(str(folder / "clip3.mp4") in line for line in lines)
+
 
 
 @needs_ray
