@@ -220,6 +220,15 @@ def test_a_stop_signal_stops_the_workers_and_keeps_the_completed_lines(local_ray
     assert lines == [json.dumps(r) for r in records] and len(lines) == summary.ok + summary.failed < len(items)
     assert not any(str(folder / "clip3.mp4") in line for line in lines)
 
+    def answered(rs):
+        return [r["input"]["label"] for r in rs if "error" not in r]
+
+    again, more, _ = distributed(items, output=output, resume=True)  # --resume: only what is missing
+    assert again.skipped == summary.ok and again.exit_code == 1
+    assert not set(answered(more)) & set(answered(records))  # nothing answered twice
+    final = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(answered(final)) == sorted(set(answered(final))) and len(answered(final)) == 5
+    assert {r["input"] if "error" in r else r["input"]["label"] for r in final} == {it.key for it in items}
 
 
 @needs_ray
