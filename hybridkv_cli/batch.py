@@ -108,14 +108,16 @@ def plan_resume(items: list[Item], output, questions, *, console, quiet: bool) -
 
 def answer_item(session: Session, item: Item, question: str | None, questions=None, answered: set | None = None,
                 context: str | None = None) -> list[dict]:
-    """One input's records (one per question); raises what the session raises. ``answered``: the
-    (input, question) pairs ``--resume`` skips."""
+    """One input's records (one per question: a question that failed on its own gets an error
+    record with its ``question``); raises what the session raises. ``answered``: the (input,
+    question) pairs ``--resume`` skips."""
     if questions is None:
         return [session.answer(item, question)]
     wanted = [(q, a) for q, a in questions if not answered or (item.key, q) not in answered]
-    results = session.answer_all(item, [q for q, _ in wanted], context=context)
+    results = session.answer_all(item, [q for q, _ in wanted], context=context,
+                                 failed=lambda q, e: {**error_record(item.key, e), "question": q})
     for result, (_, answers) in zip(results, wanted):
-        if answers:
+        if answers and "error" not in result:
             from hybridkv_cli.bench import is_correct
 
             result["expected"] = list(answers)
@@ -177,19 +179,25 @@ class Recorder:
 
     def failed(self, key: str, record: dict, kind: str = "") -> None:
         """Input ``key`` failed: its error ``record`` and one ``error:`` line (``kind``: see :func:`error_kind`)."""
-        from rich.markup import escape
-
         self.emit(record, "failed")
-        self.console.print(f"[red]error:[/red] {escape(key)}: {escape(kind + record['error']['message'])}",
-                           highlight=False, soft_wrap=True)
+        self._error_line(key, kind + record["error"]["message"])
 
-    def answered(self, key: str, results: list[dict]) -> None:
-        """Input ``key`` is answered: its records (it counts once its last line is written)."""
+    def _error_line(self, where: str, message: str) -> None:
         from rich.markup import escape
 
+        self.console.print(f"[red]error:[/red] {escape(where)}: {escape(message)}", highlight=False, soft_wrap=True)
+
+    def answered(self, key: str, results: list[dict]) -> bool:
+        """Input ``key`` is answered: its records, one per question (it counts once its last line is
+        written, as failed when one of them is a question's error record); False in that case."""
+        from rich.markup import escape
+
+        count = "failed" if any("error" in r for r in results) else "ok"
         for n, result in enumerate(results):
-            self.emit(result, "ok" if n == len(results) - 1 else None)
-            if self.human is not None:
+            self.emit(result, count if n == len(results) - 1 else None)
+            if "error" in result:
+                self._error_line(f"{key} · {one_line(result['question'], 80)}", result["error"]["message"])
+            elif self.human is not None:
                 from hybridkv_cli.report import render
 
                 if self.shown:
@@ -198,6 +206,7 @@ class Recorder:
                 title = key if len(results) == 1 else f"{key} · {result['question']}"
                 self.human.print(f"[bold]── {escape(title)}[/bold]", highlight=False, soft_wrap=True)
                 render(result, self.human)
+        return count == "ok"
 
     def last_line(self, total: int, output, seconds: float, quiet: bool) -> None:
         """The line a run ends with: the stop line, or ``done: ...`` (unless ``quiet``)."""
@@ -254,8 +263,7 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
                     recorder.failed(item.key, error_record(item.key, e), error_kind(e))
                     progress.finish(item.key, False, time.perf_counter() - started)
                     continue
-                recorder.answered(item.key, results)
-                progress.finish(item.key, True, time.perf_counter() - started)
+                progress.finish(item.key, recorder.answered(item.key, results), time.perf_counter() - started)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.signals)
         summary.stopped_by = signals.signal_of(e)
     finally:

@@ -232,8 +232,8 @@ def _drive(ray, items, question, options, n, gpus, recorder: Recorder, progress:
                         recorder.failed(item.key, outcome[1], outcome[2])
                         progress.finish(item.key, False, time.perf_counter() - started)
                     else:
-                        recorder.answered(item.key, outcome[1])
-                        progress.finish(item.key, True, time.perf_counter() - started)
+                        ok = recorder.answered(item.key, outcome[1])
+                        progress.finish(item.key, ok, time.perf_counter() - started)
         finally:  # stopped or failed: the inputs in flight are dropped with their workers
             for actor in spawned:
                 ray.kill(actor, no_restart=True)

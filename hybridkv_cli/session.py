@@ -207,17 +207,29 @@ class Session:
         record = make_record(loaded, None, prompt, question, prefix.policy, generation, True)
         return prefix_record(record, prefix, prompt, index=index, of=of, cache_file=cache_file)
 
-    def answer_all(self, item: Item, questions: list[str], context: str | None = None) -> list[dict]:
-        """One record per question about ``item``, compressed once (a ``.hkv`` item: loaded)."""
+    def answer_all(self, item: Item, questions: list[str], context: str | None = None,
+                   failed: Callable[[str, HybridKVError], dict] | None = None) -> list[dict]:
+        """One record per question about ``item``, compressed once (a ``.hkv`` item: loaded).
+        ``failed(question, error)``: the record of a question that fails on its own (too long for
+        the context, out of memory), so the other questions keep their answers (None: raise)."""
         from hybridkv_cli import hkv
 
         prefix = self.compress(item, context=context)
         cache_file = item.paths[0] if item.paths and hkv.is_cache_path(item.paths[0]) else None
         if cache_file is not None:
             prefix.info = {**prefix.info, "media_label": prefix.info.get("label"), "label": item.key}
-        return [self.ask_prefix(prefix, q, index=i, of=len(questions), source=item.key if item.paths else "--context",
-                                cache_file=cache_file)
-                for i, q in enumerate(questions)]
+        records = []
+        for i, q in enumerate(questions):
+            try:
+                records.append(self.ask_prefix(prefix, q, index=i, of=len(questions), cache_file=cache_file,
+                                               source=item.key if item.paths else "--context"))
+            except (UsageError, ModelError):
+                raise
+            except HybridKVError as e:
+                if failed is None:
+                    raise
+                records.append(failed(q, e))
+        return records
 
     @staticmethod
     def _guarded(source: str, step, *args, **kwargs):

@@ -141,6 +141,24 @@ def test_cli_questions_resume_per_question(clip, tmp_path, capsys):
     assert "skipping 1 input" in capsys.readouterr().err
 
 
+def test_cli_a_failing_question_is_its_own_error_record(clip, tmp_path, capsys):
+    long = " ".join(["why"] * 17000)  # 34k tokens: more than the model's context
+    out = tmp_path / "out.jsonl"
+    argv = ["ask", str(clip), "-Q", QUESTIONS[0], "-Q", long, "-Q", QUESTIONS[1], "-o", str(out), *FAST]
+    assert cli.run(argv) == 1
+    records = lines(out.read_text())
+    assert [r["question"] for r in records] == [QUESTIONS[0], long, QUESTIONS[1]]
+    assert records[1]["input"] == str(clip) and records[1]["error"]["type"] == "ContextLengthError"
+    assert "more than the model's context" in records[1]["error"]["message"]
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and f"error: {clip} · why why" in err
+    assert f"[1/1] failed: {clip}" in err and "done: 0 answered, 1 failed" in err
+    assert all(r["answer"] and r["shared"]["questions"] == 3 for r in (records[0], records[2]))
+    assert cli.run([*argv, "--resume"]) == 1  # only the failed question is asked again
+    again = lines(out.read_text())[3:]
+    assert [r["question"] for r in again] == [long] and "error" in again[0]
+
+
 # --- bench --per-video ------------------------------------------------------------------------------
 def test_bench_per_video_equals_one_by_one_deferred(clip, tmp_path, capsys):
     images = Path(__file__).resolve().parents[1] / "sample_media" / "images"
