@@ -2,11 +2,12 @@
 
 A ``.hkv`` file is a safetensors file (no pickle): one ``uint8`` tensor per storage of the
 compressed state (:mod:`hybridkv_cli.graph`: the device store, landmarks and detectors, the
-host-offloaded KV, the refresh state), plus the prefix's token ids, roles and token types and the
-model's mRoPE offset; its metadata (``hybridkv``, JSON) holds the format and library versions,
-the model fingerprint (name + a hash of its config), the dtype, the method and its options, the
-object tree of the state, what the record says about the media, and a SHA-256 of the tensor
-bytes. It is written to a temporary file beside the target and renamed over it (atomic).
+host-offloaded KV, the refresh state; a storage of no bytes is left out), plus the prefix's token
+roles, its token ids, attention mask and token types (of the media tokens, one value each, kept
+in the header: :func:`_pack_tokens`) and the model's mRoPE offset; its metadata (``hybridkv``,
+compact JSON) holds the format and library versions, the model fingerprint (name + a hash of its
+config), the dtype, the method and its options, the object tree of the state, what the record
+says about the media, and a SHA-256 of the tensor bytes. It is written to a temporary file beside the target and renamed over it (atomic).
 
 Loading checks, in order, that the file is a safetensors file with hybridkv metadata, its format
 and library version, model, dtype and method, then the checksum; any failure is one
@@ -89,12 +90,11 @@ def save(path: str | os.PathLike, prefix: CompressedPrefix, loaded) -> int:
     from safetensors.torch import save_file
 
     storages, info, tree = flatten((prefix.policy, prefix.state))
-    tensors = {key: data.detach().cpu().contiguous() for key, data in storages.items()}
+    # a storage of no bytes (an empty generated-KV buffer) is rebuilt empty: not stored
+    tensors = {key: data.detach().cpu().contiguous() for key, data in storages.items() if data.numel()}
     tensors["visual"] = prefix.visual.cpu().to(torch.uint8)
-    dtypes = {}
-    for key, value in prefix.prefix.items():  # ids and token types, stored in the narrowest dtype that holds them
-        dtypes[key] = str(value.dtype).removeprefix("torch.")
-        tensors[_PREFIX + key] = _narrow(value.cpu()).contiguous()
+    dtypes = {key: str(value.dtype).removeprefix("torch.") for key, value in prefix.prefix.items()}
+    on_visual = _pack_tokens(prefix.prefix, prefix.visual.cpu(), tensors)
     if prefix.rope_deltas is not None:
         tensors["rope_deltas"] = prefix.rope_deltas.cpu().contiguous()
     header = {
@@ -108,6 +108,7 @@ def save(path: str | os.PathLike, prefix: CompressedPrefix, loaded) -> int:
         "seen": prefix.seen,
         "template": {"head": prefix.template.head, "tail": prefix.template.tail},
         "prefix_dtypes": dtypes,
+        "prefix_on_visual": on_visual,
         "storages": info,
         "tree": tree,
         "input": prefix.info,
@@ -124,7 +125,7 @@ def save(path: str | os.PathLike, prefix: CompressedPrefix, loaded) -> int:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={_META_KEY: json.dumps(header, default=str)})
+        save_file(tensors, tmp, metadata={_META_KEY: json.dumps(header, default=str, separators=(",", ":"))})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)
@@ -212,20 +213,19 @@ def load(path: str | os.PathLike, loaded, method: str | None = None) -> Compress
     try:
         storages = {}
         for key, info in header["storages"].items():
-            data = tensors[key]
+            data = tensors[key] if key in tensors else torch.empty(0, dtype=torch.uint8)
             if info["device"] != "cpu":
                 data = data.to(device)
             elif info.get("pinned") and torch.cuda.is_available():
                 data = data.pin_memory()
             storages[key] = data
         policy, state = rebuild(storages, header["tree"])
-        dtypes = header["prefix_dtypes"]
-        prefix = {k.removeprefix(_PREFIX): v.to(device=device, dtype=getattr(torch, dtypes[k.removeprefix(_PREFIX)]))
-                  for k, v in tensors.items() if k.startswith(_PREFIX)}
+        visual = tensors["visual"].to(torch.bool)
+        prefix = _unpack_tokens(tensors, visual, header["prefix_dtypes"], header.get("prefix_on_visual", {}), device)
         template = QuestionTemplate(list(header["template"]["head"]), list(header["template"]["tail"]))
         return CompressedPrefix(
             policy=policy, state=tuple(state), seen=int(header["seen"]),
-            visual=tensors["visual"].to(torch.bool), prefix=prefix,
+            visual=visual, prefix=prefix,
             rope_deltas=tensors.get("rope_deltas"), template=template,
             prefill_s=float(header["prefill_s"]), compress_seconds=float(header["compress_seconds"]),
             prefill_peak_bytes=int(header["prefill_peak_bytes"]), device_bytes=int(header["device_bytes"]),
@@ -234,6 +234,34 @@ def load(path: str | os.PathLike, loaded, method: str | None = None) -> Compress
         )
     except (GraphError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CacheFileError(f"corrupt cache file ({_short(e)})", source) from None
+
+
+def _pack_tokens(per_token: dict, visual: torch.Tensor, tensors: dict) -> dict:
+    """Put the prefix's per-token tensors (ids, attention mask, token types) into ``tensors``, in the
+    narrowest dtype that holds them; one that has one value on every visual token (the media pad
+    id, its token type, the mask) keeps only its other tokens, and that value is returned (by key)
+    for the header: most of a prefix is media tokens."""
+    on_visual = {}
+    for key, value in per_token.items():
+        flat = value.cpu().reshape(-1)
+        media = flat[visual]
+        if media.numel() and bool((media == media[0]).all()):
+            on_visual[key], flat = int(media[0]), flat[~visual]
+        tensors[_PREFIX + key] = _narrow(flat).contiguous()
+    return on_visual
+
+
+def _unpack_tokens(tensors: dict, visual: torch.Tensor, dtypes: dict, on_visual: dict, device) -> dict:
+    """The per-token tensors ``[1, seen]`` that :func:`_pack_tokens` stored."""
+    per_token = {}
+    for name, stored in tensors.items():
+        if name.startswith(_PREFIX):
+            key = name.removeprefix(_PREFIX)
+            value = stored.to(getattr(torch, dtypes[key])).reshape(-1)
+            if key in on_visual:
+                value = torch.full(visual.shape, on_visual[key], dtype=value.dtype).masked_scatter(~visual, value)
+            per_token[key] = value.view(1, -1).to(device)
+    return per_token
 
 
 def _narrow(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from hybridkv_cli import cli, hkv
 from hybridkv_cli.compression import METHODS, make_policy
 from hybridkv_cli.media import load_media
+from hybridkv_cli.models import max_pixels_for
 from hybridkv_cli.multi import TEMPLATE_QUESTION, QuestionTemplate, answer, compress_prefix
 from hybridkv_cli.prompt import build_prompt
 
@@ -72,6 +73,19 @@ def test_file_size_is_the_compressed_bytes(demo, tmp_path):
         size = hkv.save(tmp_path / "c.hkv", prefix, demo)
         kv = prefix.device_bytes + prefix.host_bytes
         assert kv <= size <= 1.05 * kv, (method, size, kv)
+
+
+def test_small_cache_file_is_the_compressed_bytes_and_a_small_header(demo, tmp_path):
+    """snapkv at 0.1 on needle.mp4 (~0.5k tokens, 110 kB of KV): the ids, mask and token types of the
+    media tokens are one value each, kept once, so the file is the KV and a few kB of header."""
+    media = load_media([SAMPLE.with_name("needle.mp4")], frames=64, max_pixels=max_pixels_for("demo", None))
+    prefix = make_prefix(demo, media, "snapkv")
+    size = hkv.save(tmp_path / "c.hkv", prefix, demo)
+    kv = prefix.device_bytes + prefix.host_bytes
+    assert kv <= size <= kv + 8 * 1024 and size <= 1.07 * kv, (size, kv)
+    loaded = hkv.load(tmp_path / "c.hkv", demo)
+    assert loaded.prefix.keys() == prefix.prefix.keys()
+    assert all(torch.equal(loaded.prefix[k], v) for k, v in prefix.prefix.items())
 
 
 # --- bad files -------------------------------------------------------------------------------------
