@@ -1,0 +1,135 @@
+"""How much a better selection could win on pass keys: an oracle and a mass-keeping variant.
+
+Both are diagnostics, not methods. At budget b, on every pass-key and multi-key row of a task
+file, each variant keeps ``round(b·N)`` entries per KV head (as SnapKV does) and answers:
+
+- ``snapkv``: the registered method.
+- ``oracle``: the window first, then the key's digit tokens and the 4 tokens before them in every
+  head of every layer, then SnapKV's best-scored rest. Whatever it misses, no selection that
+  keeps the evidence can win back.
+- ``merged``: SnapKV for three quarters of the entries; the evicted tokens of each head fold,
+  in position order, into as many groups as the last quarter holds, each one entry with the
+  group's mean key and value and a logit bias of log(group size), so the evicted tail keeps
+  its attention mass (decode attention in torch, for this script only).
+
+    python -m benchmarks.passkey_bounds --tasks benchmarks/tasks/text_dev.jsonl --budgets 0.1,0.2 \\
+        --out docs/results/passkey_bounds_dev.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.diagnose_passkey import key_positions
+from hybridkv_cli.api import ask
+from hybridkv_cli.bench import is_correct, read_tasks
+from hybridkv_cli.compression.base import Compressed, LayerKV
+from hybridkv_cli.compression.scoring import head_entries, window_attention
+from hybridkv_cli.compression.selection import keep_top_tiered
+from hybridkv_cli.compression.snapkv import SnapKV
+from hybridkv_cli.compression.store import RaggedStore
+from hybridkv_cli.models import load_model
+from hybridkv_cli.prompt import build_text_prompt
+
+
+@dataclass
+class OracleKey(SnapKV):
+    """SnapKV with the key's tokens forced into every head (``evidence``: prompt positions)."""
+
+    evidence: list = field(default_factory=list)
+
+    def compress(self, layer):
+        _, pooled, w = window_attention(layer, self.window)
+        tier = torch.zeros(layer.length)
+        tier[self.evidence] = 1.0
+        tier[layer.length - w:] = 2.0
+        counts = torch.full((layer.num_heads,), head_entries(self.budget, layer.length), dtype=torch.long)
+        return Compressed(RaggedStore.build(layer.keys, layer.values, keep_top_tiered(pooled, tier, counts)))
+
+
+class BiasedKV(LayerKV):
+    """Per-head entries with a logit bias each, plus generated tokens (bias 0)."""
+
+    def __init__(self, keys: list, values: list, bias: list):
+        self.keys, self.values, self.bias = keys, values, bias
+
+    def append(self, key, value):
+        for h in range(len(self.keys)):
+            self.keys[h] = torch.cat([self.keys[h], key[h]])
+            self.values[h] = torch.cat([self.values[h], value[h]])
+            self.bias[h] = torch.cat([self.bias[h], self.bias[h].new_zeros(1)])
+
+    def attend(self, query, scale):
+        return torch.stack([torch.softmax(q @ k.T * scale + b, -1) @ v
+                            for q, k, v, b in zip(query, self.keys, self.values, self.bias)])
+
+    def device_bytes(self):
+        return 0
+
+
+@dataclass
+class MergedTail(SnapKV):
+    """SnapKV on 3/4 of the entries; the evicted tail folded into the last 1/4 (see module doc)."""
+
+    def compress(self, layer):
+        _, pooled, w = window_attention(layer, self.window)
+        total = head_entries(self.budget, layer.length)
+        groups = total // 4
+        tier = torch.zeros(layer.length)
+        tier[layer.length - w:] = 1.0
+        counts = torch.full((layer.num_heads,), total - groups, dtype=torch.long)
+        keep = keep_top_tiered(pooled, tier, counts)
+        keys, values, bias = [], [], []
+        for h in range(layer.num_heads):
+            evicted = torch.tensor_split((~keep[h]).nonzero().squeeze(1), max(1, groups))
+            evicted = [g for g in evicted if g.numel()]
+            keys.append(torch.cat([layer.keys[h][keep[h]], *(layer.keys[h][g].mean(0, keepdim=True) for g in evicted)]))
+            values.append(torch.cat([layer.values[h][keep[h]], *(layer.values[h][g].mean(0, keepdim=True) for g in evicted)]))
+            bias.append(torch.tensor([0.0] * int(keep[h].sum()) + [math.log(g.numel()) for g in evicted]))
+        return Compressed(BiasedKV(keys, values, bias))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", required=True)
+    parser.add_argument("--budgets", default="0.1")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=2500, help="skip rows of more prompt tokens")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    loaded = load_model("smollm2", device="cpu")
+    rows = [t for t in read_tasks(args.tasks) if t.answers]
+    items = []
+    for task in rows:
+        ids = build_text_prompt(loaded.tokenizer, task.context, task.question).inputs["input_ids"][0].tolist()
+        if len(ids) > args.max_prompt:
+            continue
+        digits = key_positions(loaded.tokenizer, ids, task.answers[0][0])
+        evidence = list(range(max(0, digits[0] - 4), digits[-1] + 1))
+        for budget in [1.0] + [float(b) for b in args.budgets.split(",")]:
+            variants = {"full": "full"} if budget == 1.0 else {
+                "snapkv": SnapKV(budget=budget), "oracle": OracleKey(budget=budget, evidence=evidence),
+                "merged": MergedTail(budget=budget)}
+            for name, method in variants.items():
+                r = ask(loaded, None, task.question, context=task.context, method=method,
+                        max_new_tokens=args.max_new_tokens)
+                items.append({"id": task.id, "variant": name, "budget": budget, "answer": r["answer"],
+                              "correct": is_correct(r["answer"], task.answers), "tokens": len(ids)})
+                print(f"{task.id:24s} {name:7s} {budget:<4g} {items[-1]['correct']!s:5} {r['answer']!r}", flush=True)
+    table = {}
+    for i in items:
+        table.setdefault(f"{i['variant']}@{i['budget']:g}", []).append(i["correct"])
+    summary = {k: f"{sum(v)}/{len(v)}" for k, v in table.items()}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps({"tasks": args.tasks, "summary": summary, "items": items}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
