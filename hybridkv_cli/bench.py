@@ -231,11 +231,9 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
     from hybridkv_cli.record import note
 
     loaded, settings = session.model(), session.options
-    with_media = next((t for t in tasks if t.media), None)
-    if with_media is not None:
-        loaded.refuse_media(with_media.id)
     runs = plan_runs(methods, budgets)
     per_method = {REFERENCE: {}, **method_options(methods, options)}
+    policies = {(m, b): make_policy(m, budget=b, **per_method[m]) for m, b in runs}  # one per run, for every input
     items: list[dict] = []
     units = len(group_by_media(tasks)) if per_video else len(tasks)
     progress = Progress(console, units * len(runs), quiet=quiet or console is None)
@@ -251,7 +249,7 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
         return error
 
     if per_video:
-        items = _run_grouped(session, tasks, runs, per_method, progress, failed)
+        items = _run_grouped(session, tasks, policies, progress, failed)
     with (nullcontext() if per_video else progress):
         for task in ([] if per_video else tasks):
             try:
@@ -266,14 +264,14 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
             if not warm:  # the first generation pays one-time costs: keep them out of every ms/token
                 warm = True
                 with suppress(Exception):  # a failure shows in the real run
-                    session.run(prepared, make_policy(REFERENCE), max_new_tokens=2)
+                    session.run(prepared, policies[REFERENCE, 1.0], max_new_tokens=2)
             reference = None
             for method, budget in runs:
                 key = f"{task.id} {method} b={budget:g}"
                 progress.begin(key)
                 started = time.perf_counter()
                 try:
-                    result = session.run(prepared, make_policy(method, budget=budget, **per_method[method]))
+                    result = session.run(prepared, policies[method, budget])
                 except Exception as e:
                     items.append(_record(task, method, budget, error=failed(key, e)))
                     progress.finish(key, False, time.perf_counter() - started)
@@ -291,12 +289,12 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
     return {"config": config, "aggregates": aggregate(items, runs), "items": items}
 
 
-def _run_grouped(session, tasks: list[Task], runs, per_method: dict, progress, failed) -> list[dict]:
-    """``run_bench(per_video=True)``: one compression per media group and run, then its questions."""
+def _run_grouped(session, tasks: list[Task], policies: dict, progress, failed) -> list[dict]:
+    """``run_bench(per_video=True)``: one compression per media group and run (``policies``, by
+    (method, budget)), then its questions."""
     from contextlib import suppress
 
-    from hybridkv_cli.compression import make_policy
-
+    runs = list(policies)
     results: dict[tuple[str, str, float], dict] = {}
     warm = False
     with progress:
@@ -314,7 +312,7 @@ def _run_grouped(session, tasks: list[Task], runs, per_method: dict, progress, f
                 warm = True
                 with suppress(Exception):
                     prefix = session.compress_media(media, context=head.context, source=head.id,
-                                                    policy=make_policy(REFERENCE))
+                                                    policy=policies[REFERENCE, 1.0])
                     session.ask_prefix(prefix, head.question, source=head.id)
             references: dict[str, str] = {}
             for method, budget in runs:
@@ -323,7 +321,7 @@ def _run_grouped(session, tasks: list[Task], runs, per_method: dict, progress, f
                 started = time.perf_counter()
                 try:
                     prefix = session.compress_media(media, context=head.context, source=head.id,
-                                                    policy=make_policy(method, budget=budget, **per_method[method]))
+                                                    policy=policies[method, budget])
                 except Exception as e:
                     error = failed(key, e)
                     for task in group:

@@ -167,7 +167,6 @@ def profile(
     """Per-head sparsity and classes, the budget allocation, and a budget sweep with fidelity."""
     given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.bench import parse_budgets
-    from hybridkv_cli.compression import make_policy
     from hybridkv_cli.inputs import Item, read_context
     from hybridkv_cli.profile import profile as run_profile
     from hybridkv_cli.report import render_profile, save_heatmap
@@ -175,19 +174,17 @@ def profile(
 
     _state["debug"] = debug
     sweep = tuple(parse_budgets(budgets))
-    options = {k: v for k, v in given.items() if k != "budget"}
-    make_policy("hybridkv", budget=budget, **options)  # refuses bad values before the model loads
+    # The session's policy is the profiled budget's; building it refuses bad values before the model loads.
+    session = Session(AskOptions(model=model, device=device, dtype=dtype, method="hybridkv", method_options=given,
+                                 frames=frames, fps=fps, max_pixels=max_pixels, max_new_tokens=max_new_tokens),
+                      stage=status(quiet))
     paths, question = _split_args(args, context)
-    session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
-                                 max_pixels=max_pixels, max_new_tokens=max_new_tokens), stage=status(quiet))
     media = session.load_media(paths) if paths else None  # cheap checks first, then the model
     text = read_context(context) if context is not None else None
     prepared = session.prepare(media, question, context=text, source=Item(tuple(paths)).key if paths else None)
     with (nullcontext() if quiet else err.status("profiling ...")) as spinner:
-        result = run_profile(
-            session, prepared, budget=budget, budgets=sweep,
-            on_run=lambda label: spinner and spinner.update(f"profiling: {label} ..."), **options,
-        )
+        result = run_profile(session, prepared, budgets=sweep,
+                             on_run=lambda label: spinner and spinner.update(f"profiling: {label} ..."))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         save_heatmap(result["heads"], out / "heads.png")
@@ -241,7 +238,7 @@ def bench(
     else:
         paths, question = _split_args(args, None, alternative="(or --tasks FILE)")
         inputs = [Task(Item(tuple(paths)).key, question, tuple(answer or ()), media=tuple(paths))]
-    session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
+    session = Session(AskOptions(model=model, device=device, dtype=dtype, method=None, frames=frames, fps=fps,
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens,
                                  defer_question=defer_question), stage=status(quiet))
     kw = dict(console=err, quiet=quiet, debug=debug, per_video=per_video, **options)
@@ -319,7 +316,7 @@ def route(
     _state["debug"] = debug
     candidates = [m for m in parse_methods(methods) if m != "route"]
     inputs = read_tasks(tasks)
-    session = Session(AskOptions(model=model, device=device, dtype=dtype, frames=frames, fps=fps,
+    session = Session(AskOptions(model=model, device=device, dtype=dtype, method=None, frames=frames, fps=fps,
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens,
                                  defer_question=defer_question), stage=status(quiet))
     with (nullcontext() if quiet else err.status("profiling layers ...")) as spinner:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.fidelity import rouge_l
 from hybridkv_cli.session import Prepared, Session
@@ -13,27 +15,26 @@ def profile(
     session: Session,
     prepared: Prepared,
     *,
-    budget: float = 0.1,
     budgets: tuple[float, ...] = SWEEP_BUDGETS,
     on_run=None,
-    **options,
 ) -> dict:
-    """Classify the heads on the prepared input and sweep HybridKV over ``budgets``.
+    """Classify the heads on the prepared input with the session's HybridKV policy, and sweep its
+    options over ``budgets`` and its own budget.
 
     Every answer is compared with the full-cache answer (ROUGE-L F1 = fidelity). ``on_run``
-    is called with a short label before each generation (for progress display); ``options``
-    are HybridKV's parameters (window, theta, ...; None: the method's default).
+    is called with a short label before each generation (for progress display).
     """
     def run(label: str, policy) -> dict:
         if on_run:
             on_run(label)
         return session.run(prepared, policy)
 
+    profiled = session.policy
     reference = run("full", make_policy("full"))
     sweep = []
-    for b in sorted({*budgets, budget}):
-        result = run(f"hybridkv b={b:g}", make_policy("hybridkv", budget=b, **options))
-        if b == budget:
+    for b in sorted({*budgets, profiled.budget}):
+        result = run(f"hybridkv b={b:g}", profiled if b == profiled.budget else replace(profiled, budget=b))
+        if b == profiled.budget:
             main = result
         sweep.append({
             "budget": b,
@@ -47,7 +48,7 @@ def profile(
     return {
         "input": main["input"],
         "question": prepared.question,
-        "budget": budget,
+        "budget": profiled.budget,
         "heads": main["heads"],
         "reference": {
             "answer": reference["answer"],

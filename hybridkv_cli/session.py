@@ -40,7 +40,7 @@ class AskOptions:
     model: str = models.DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
-    method: str = "hybridkv"
+    method: str | None = "hybridkv"  # None: no policy of the session's own (bench and route build one per run)
     method_options: dict = field(default_factory=dict)  # budget, window, theta, ...
     frames: int = 64
     fps: float | None = None
@@ -81,7 +81,7 @@ class Session:
         self.stage = stage or (lambda message: nullcontext())
         # Built now, so a bad method or option is refused before any input is read; a policy
         # is configuration only and serves every generation of the session.
-        self.policy = make_policy(options.method, **options.method_options)
+        self.policy = make_policy(options.method, **options.method_options) if options.method else None
 
     # --- the steps ---------------------------------------------------------------------------
     def model(self) -> LoadedModel:
