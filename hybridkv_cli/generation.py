@@ -53,6 +53,42 @@ class Generation:
     cuda_peak_bytes: int | None = None
 
 
+class Meter:
+    """The measurements of one generation, from the meter's construction (CUDA's peak memory
+    reset, the clock started) to the last token :meth:`decode` emits."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = torch.cuda.memory_allocated(device)
+        self.start = time.perf_counter()
+
+    def decode(self, model, inputs: dict, cache: PolicyCache, prompt_length: int, max_new_tokens: int,
+               after_prefill: int | None = None) -> Generation:
+        """Decode ``inputs`` (the whole prompt; ``generate`` feeds what ``cache`` has not seen)
+        with transformers' greedy ``generate``, every token timed. ``after_prefill``: the device
+        bytes after the compressed prefill; None: read from the cache when the first token
+        arrives, before it is appended (only then, so no other read sits in a timed step)."""
+        measured: list[int] = []
+        read = None if after_prefill is not None else lambda: measured.append(cache.device_bytes())
+        clock = StepClock(self.device, on_first_token=read)
+        out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                             streamer=clock, use_cache=True)
+        stamps = [self.start, *clock.stamps]
+        return Generation(
+            tokens=out[0, prompt_length:].tolist(),
+            prefill_s=stamps[1] - stamps[0] if len(stamps) > 1 else 0.0,
+            step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
+            cache=cache,
+            device_bytes_after_prefill=after_prefill if after_prefill is not None else (
+                measured[0] if measured else cache.device_bytes()),
+            cuda_peak_bytes=None if self.base is None else torch.cuda.max_memory_allocated(self.device) - self.base,
+        )
+
+
 def question_length(prompt: Prompt) -> int:
     """Prompt tokens after the media (or text context): the question and the chat-template tail."""
     roles = prompt.visual.nonzero()
@@ -77,30 +113,15 @@ def generate(model, prompt: Prompt, policy: Policy, max_new_tokens: int = 128,
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
     cut = prompt.length - (question_length(prompt) if defer_question else 0)
     cache = PolicyCache(policy, model.config.get_text_config().num_hidden_layers, prompt.visual[:cut])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    start = time.perf_counter()
+    meter = Meter(device)
     with torch.inference_mode(), policy_attention(model):
-        after_prefill = _feed_prefix(model, inputs, cut, cache) if cut < prompt.length else None
-        measured: list[int] = []
-        clock = StepClock(device, on_first_token=lambda: measured.append(
-            cache.device_bytes() if after_prefill is None else after_prefill))
-        out = model.generate(**(inputs if cut == prompt.length else _per_token(inputs)), cache=cache,
-                             max_new_tokens=max_new_tokens, do_sample=False, streamer=clock, use_cache=True)
-    stamps = [start, *clock.stamps]
-    return Generation(
-        tokens=out[0, prompt.length:].tolist(),
-        prefill_s=stamps[1] - stamps[0] if len(stamps) > 1 else 0.0,
-        step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
-        cache=cache,
-        device_bytes_after_prefill=measured[0] if measured else cache.device_bytes(),
-        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None,
-    )
+        if cut == prompt.length:
+            return meter.decode(model, inputs, cache, prompt.length, max_new_tokens)
+        after_prefill = _feed_prefix(model, inputs, cut, cache)
+        return meter.decode(model, per_token(inputs), cache, prompt.length, max_new_tokens, after_prefill)
 
 
-def _per_token(inputs: dict) -> dict:
+def per_token(inputs: dict) -> dict:
     """The per-token tensors of ``inputs`` (ids, attention mask, token types), not the pixels."""
     shape = inputs["input_ids"].shape
     return {k: v for k, v in inputs.items() if torch.is_tensor(v) and v.shape == shape and not v.is_floating_point()}
@@ -111,7 +132,7 @@ def _feed_prefix(model, inputs: dict, cut: int, cache: PolicyCache) -> int:
     the last one token per step; ``generate`` reads the last one. Returns the device bytes
     right after the compressed prefill."""
     ids = inputs["input_ids"]
-    prefix = {k: v[:, :cut] if k in _per_token(inputs) else v for k, v in inputs.items()}
+    prefix = {k: v[:, :cut] if k in per_token(inputs) else v for k, v in inputs.items()}
     model(**prefix, cache=cache, use_cache=True)
     after_prefill = cache.device_bytes()
     for token in ids[0, cut:-1]:

@@ -17,14 +17,13 @@ one prompt built at compression time, so a saved prefix (``.hkv``) needs no medi
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from hybridkv_cli.compression import Policy
 from hybridkv_cli.compression.cache import PolicyCache, policy_attention
-from hybridkv_cli.generation import Generation, StepClock, now, question_length
+from hybridkv_cli.generation import Generation, Meter, now, per_token, question_length
 from hybridkv_cli.graph import clone
 from hybridkv_cli.prompt import Prompt, question_ids
 
@@ -98,12 +97,6 @@ class CompressedPrefix:
         return cache
 
 
-def per_token(inputs: dict) -> dict:
-    """The per-token tensors of ``inputs`` (ids, attention mask, token types), not the pixels."""
-    shape = inputs["input_ids"].shape
-    return {k: v for k, v in inputs.items() if torch.is_tensor(v) and v.shape == shape and not v.is_floating_point()}
-
-
 def compress_prefix(model, prompt: Prompt, policy: Policy, template: QuestionTemplate) -> CompressedPrefix:
     """Prefill and compress ``prompt`` up to the end of its media (the question is not read)."""
     device = model.device
@@ -165,27 +158,12 @@ def answer(model, prefix: CompressedPrefix, suffix: list[int], max_new_tokens: i
     prompt = question_prompt(prefix, suffix)
     inputs = {k: v.to(device) for k, v in prompt.inputs.items()}
     owner = rope_owner(model)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    start = time.perf_counter()
+    meter = Meter(device)  # the copy of the compressed state counts as this question's
     cache = prefix.cache(model.config.get_text_config().num_hidden_layers, device)
     with torch.inference_mode(), policy_attention(model):
         if owner is not None:
             owner.rope_deltas = None if prefix.rope_deltas is None else prefix.rope_deltas.to(device)
         for token in inputs["input_ids"][0, prefix.seen:-1]:
             model(input_ids=token.view(1, 1), cache=cache, use_cache=True)
-        clock = StepClock(device)
-        out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                             streamer=clock, use_cache=True)
-    stamps = [start, *clock.stamps]
-    generation = Generation(
-        tokens=out[0, prompt.length:].tolist(),
-        prefill_s=stamps[1] - stamps[0] if len(stamps) > 1 else 0.0,
-        step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
-        cache=cache,
-        device_bytes_after_prefill=prefix.device_bytes,
-        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None,
-    )
+        generation = meter.decode(model, inputs, cache, prompt.length, max_new_tokens, prefix.device_bytes)
     return generation, prompt
