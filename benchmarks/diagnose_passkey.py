@@ -19,7 +19,8 @@ from unittest import mock
 
 import torch
 
-from hybridkv_cli.bench import is_correct, read_tasks
+from hybridkv_cli.answers import is_correct
+from hybridkv_cli.bench import read_tasks
 from hybridkv_cli.compression import hybridkv as hybridkv_module
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.compression.retrieval import DynamicHeads

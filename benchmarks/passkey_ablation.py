@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 from hybridkv_cli.api import ask
-from hybridkv_cli.bench import is_correct, read_tasks
+from hybridkv_cli.answers import is_correct
+from hybridkv_cli.bench import read_tasks
 from hybridkv_cli.models import load_model
 
 VARIANTS = {  # name -> HybridKV options

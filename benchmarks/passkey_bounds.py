@@ -28,7 +28,8 @@ import torch
 
 from benchmarks.diagnose_passkey import key_positions
 from hybridkv_cli.api import ask
-from hybridkv_cli.bench import is_correct, read_tasks
+from hybridkv_cli.answers import is_correct
+from hybridkv_cli.bench import read_tasks
 from hybridkv_cli.compression.base import Compressed, LayerKV
 from hybridkv_cli.compression.scoring import head_entries, window_attention
 from hybridkv_cli.compression.selection import keep_top_tiered

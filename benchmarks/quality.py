@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from hybridkv_cli.api import ask
-from hybridkv_cli.bench import is_correct, read_tasks
+from hybridkv_cli.answers import is_correct
+from hybridkv_cli.bench import read_tasks
 from hybridkv_cli.fidelity import rouge_l
 from hybridkv_cli.models import load_model
 from hybridkv_cli.stats import bootstrap_ci, paired_diff_ci

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
 from hybridkv_cli import signals
+from hybridkv_cli.answers import is_correct
 from hybridkv_cli.errors import HybridKVError, ModelError, UsageError, one_line
 from hybridkv_cli.inputs import Item
 from hybridkv_cli.jsonl import JsonlFile
@@ -118,8 +119,6 @@ def answer_item(session: Session, item: Item, question: str | None, questions=No
                                  failed=lambda q, e: {**error_record(item.key, e), "question": q})
     for result, (_, answers) in zip(results, wanted):
         if answers and "error" not in result:
-            from hybridkv_cli.bench import is_correct
-
             result["expected"] = list(answers)
             result["correct"] = is_correct(result["answer"], answers)
     return results

@@ -6,7 +6,7 @@ same ``max_new_tokens``; the input's media is loaded once for all its runs. Per 
 the runs are aggregated (:func:`aggregate`) into
 
 * accuracy: the share of runs whose output contains the expected answer (after
-  :func:`normalise`; any of several answers counts), over the inputs that have one;
+  :func:`~hybridkv_cli.answers.normalise`; any of several answers counts), over the inputs that have one;
 * fidelity: mean ROUGE-L F1 of the output against the full-cache output of the same input;
 * mean device KV ratio vs the full cache, mean ms per decoded token, mean host->device bytes
   per decode step (retrieval methods only).
@@ -17,13 +17,13 @@ Rendering (table, CSV, JSON, PNG) lives in :mod:`hybridkv_cli.bench_report`.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import time
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridkv_cli.answers import is_correct
 from hybridkv_cli.errors import HybridKVError, UsageError
 
 REFERENCE = "full"  # the method every input runs once, at budget 1.0
@@ -147,22 +147,6 @@ def read_tasks(path: str | Path) -> list[Task]:
 
 
 # --- scoring --------------------------------------------------------------------------------------
-_ENDS = re.compile(r"^[\W_]+|[\W_]+$")
-
-
-def normalise(text: str) -> str:
-    """Lowercase, whitespace collapsed, punctuation (any non-word character) stripped at the ends."""
-    return _ENDS.sub("", " ".join(text.lower().split()))
-
-
-def is_correct(output: str, answers: tuple[str, ...] | list[str]) -> bool | None:
-    """Whether any normalised answer occurs in the normalised output (None without answers)."""
-    if not answers:
-        return None
-    out = normalise(output)
-    return any(normalise(a) in out for a in answers)
-
-
 # aggregate column -> item key averaged into it
 _MEANS = {"accuracy": "correct", "fidelity": "fidelity", "kv_ratio": "kv_ratio", "ms_per_token": "ms_per_token",
           "h2d_bytes_per_step": "h2d_bytes_per_step"}

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hybridkv_cli.bench import Task, is_correct
+from hybridkv_cli.answers import is_correct
+from hybridkv_cli.bench import Task
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.compression.route import refusal
 from hybridkv_cli.errors import UsageError

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from hybridkv_cli import cli
-from hybridkv_cli.bench import aggregate, is_correct, normalise, read_tasks
+from hybridkv_cli.answers import is_correct, normalise
+from hybridkv_cli.bench import aggregate, read_tasks
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "sample_media" / "images"

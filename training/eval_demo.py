@@ -21,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from hybridkv_cli.api import ask
-from hybridkv_cli.bench import normalise
+from hybridkv_cli.answers import normalise
 from hybridkv_cli.media import load_media
 from hybridkv_cli.models import load_model, max_pixels_for
 
