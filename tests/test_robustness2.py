@@ -76,6 +76,31 @@ def test_task_file_saved_by_notepad(tmp_path, ending):
     assert [t.id for t in read_tasks(_task_file(tmp_path / "tasks.jsonl", True, ending))] == ["one", "two"]
 
 
+def _questions_file(path: Path, ending: bytes, jsonl: bool) -> Path:
+    rows = [{"question": "What is the key?", "answer": "42"}, {"question": "Which shelf?"}]
+    lines = [json.dumps(r).encode() if jsonl else r["question"].encode() for r in rows]
+    path.write_bytes(BOM + ending.join(lines) + ending)
+    return path
+
+
+@pytest.mark.parametrize("jsonl", [False, True])
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
+def test_questions_file_saved_by_notepad(tmp_path, ending, jsonl):
+    from hybridkv_cli.questions import read_questions
+
+    path = _questions_file(tmp_path / "questions.txt", ending, jsonl)
+    assert read_questions(str(path)) == [("What is the key?", ("42",) if jsonl else ()), ("Which shelf?", ())]
+
+
+def test_questions_file_saved_by_notepad_through_the_cli(tmp_path, capsys):
+    clip = make_video(tmp_path / "clip.mp4", n=8)
+    path = _questions_file(tmp_path / "questions.jsonl", b"\r\n", True)
+    assert cli.run(["ask", str(clip), "--questions", str(path), "--jsonl", "-q", *FAST]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["question"] for r in records] == ["What is the key?", "Which shelf?"]
+    assert records[0]["expected"] == ["42"] and "expected" not in records[1]
+
+
 # --- real processes: stop signals, stderr ------------------------------------------------------------
 def _cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "hybridkv_cli.cli", "ask", *args]
