@@ -195,6 +195,22 @@ def test_library_noise_is_scoped_and_debug_shows_it(capsys, caplog):
     assert [r.getMessage() for r in caplog.records] == ["shown with --debug"]
 
 
+def test_decord_is_silenced_without_debug_only(tmp_path, monkeypatch):
+    decord = pytest.importorskip("decord")
+    from hybridkv_cli.console import quiet_libraries
+    from hybridkv_cli.media import load_media
+
+    clip = make_video(tmp_path / "clip.mp4", n=8)
+    levels = []
+    monkeypatch.setattr(decord.logging, "set_level", levels.append)
+    with quiet_libraries(debug=True):
+        load_media([clip], frames=4)
+    assert levels == []  # --debug: decord's own log level is left alone
+    with quiet_libraries():
+        load_media([clip], frames=4)
+    assert levels == [decord.logging.QUIET]
+
+
 def test_deferred_line_write_holds_sigterm():
     from hybridkv_cli.signals import Terminated, deferred_signals
 

@@ -8,6 +8,7 @@ return the frames upright: the rotation of the stream's display matrix is applie
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -57,22 +58,20 @@ def resize_chunk(chunk: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return TF.resize(chunk, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True)
 
 
-_decord_quiet = False  # decord's log level is set once per process (it logs every seek otherwise)
-
-
 def decode_decord(path: Path, probe: Probe, plan: Plan, shown: str) -> Decoded:
     """Decode with decord (fast random access); :class:`DecodeFailed` hands over to PyAV."""
-    global _decord_quiet
     try:
         import decord
     except Exception as e:
         raise DecodeFailed(f"decord unavailable ({one_line(e)})") from None
-    if not _decord_quiet:
+    # decord logs through its own FFmpeg, outside Python's logging (every seek, a truncated file's
+    # complaints): silenced where Python's logging drops library lines (console.quiet_libraries, a
+    # command without --debug), left alone otherwise.
+    if not logging.getLogger("decord").isEnabledFor(logging.ERROR):
         try:
             decord.logging.set_level(decord.logging.QUIET)
         except Exception:
             pass
-        _decord_quiet = True
     try:
         if probe.rotation:
             # decord applies the display matrix itself but only gets the buffer size right when asked
