@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import re
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager
@@ -22,8 +23,8 @@ import torch
 
 from hybridkv_cli import models
 from hybridkv_cli.compression import Policy, make_policy
-from hybridkv_cli.errors import (ContextLengthError, HybridKVError, ModelError, OutOfMemoryError, UsageError,
-                                 one_line)
+from hybridkv_cli.errors import (ContextLengthError, HybridKVError, MediaWarning, ModelError, OutOfMemoryError,
+                                 UsageError, one_line)
 from hybridkv_cli.generation import generate
 from hybridkv_cli.inputs import Item
 from hybridkv_cli.loaded import LoadedModel
@@ -82,6 +83,7 @@ class Session:
         # Built now, so a bad method or option is refused before any input is read; a policy
         # is configuration only and serves every generation of the session.
         self.policy = make_policy(options.method, **options.method_options) if options.method else None
+        self._sized: set = set()  # the media whose size was checked: one warning per input, however many runs
 
     # --- the steps ---------------------------------------------------------------------------
     def model(self) -> LoadedModel:
@@ -125,6 +127,9 @@ class Session:
             loaded.refuse_media(source)
             prompt = self._guarded(source, build_prompt, loaded.processor, media, question)
         _check_length(prompt, loaded.context_limit, self.options.max_new_tokens, source)
+        if media is not None and media.sources not in self._sized:
+            self._sized.add(media.sources)
+            _warn_if_large(media, prompt.visual_tokens)
         return Prepared(media, prompt, question, source)
 
     def run(self, prepared: Prepared, policy: Policy, *, max_new_tokens: int | None = None) -> dict:
@@ -263,6 +268,26 @@ def _check_length(prompt: Prompt, limit: int | None, max_new_tokens: int, source
         raise ContextLengthError(
             f"the prompt needs {bulk + text} tokens ({bulk} {prompt.role} + {text} text) + {max_new_tokens} new, "
             f"more than the model's context of {limit} tokens; {fix}, or a lower --max-new-tokens", source)
+
+
+#: A prompt above either limit gets a warning: it may be far bigger than meant.
+LARGE_SET_IMAGES = 256
+LARGE_PROMPT_TOKENS = 16384
+
+
+def _warn_if_large(media: MediaInput, tokens: int) -> None:
+    """One warning line when ``media`` is an image set of more than 256 images or its built prompt
+    holds more than 16k visual ``tokens`` (a folder of 2000 thumbnails is one 8000-token prompt
+    unless --each is given), naming the flags that make it smaller."""
+    images = len(media.images) if media.kind == "images" else 0
+    if images <= LARGE_SET_IMAGES and tokens <= LARGE_PROMPT_TOKENS:
+        return
+    if media.kind == "images":
+        what = f"one image set of {images} images, {tokens} visual tokens"
+        fix = "--each asks about every image separately, a lower --max-pixels makes each image smaller"
+    else:  # --each splits only a set of files: a video is smaller with fewer frames or pixels
+        what, fix = f"{tokens} visual tokens", "fewer --frames or a lower --max-pixels makes it smaller"
+    warnings.warn(f"{media.label}: {what} in one prompt; {fix}", MediaWarning, stacklevel=3)
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -315,27 +315,44 @@ def test_animation_record_through_the_cli(tmp_path, capsys, monkeypatch):
     assert inp["kind"] == "video" and inp["frames_total"] == 10 and inp["frames_used"] == 4
 
 
-# --- 6. very large image sets -------------------------------------------------------------------------
-def test_large_image_set_warns_once_naming_each_and_max_pixels(tmp_path, monkeypatch):
-    from hybridkv_cli.media import load_media
+# --- 6. very large prompts ------------------------------------------------------------------------------
+def test_large_image_set_warns_once_naming_each_and_max_pixels(tmp_path):
+    from hybridkv_cli.demo import build_demo
+    from hybridkv_cli.session import AskOptions, Session
 
     folder = tmp_path / "thumbs"
     folder.mkdir()
     for i in range(257):
         Image.new("RGB", (28, 28), (i % 256, 0, 0)).save(folder / f"{i}.png")
+    session = Session(AskOptions(model="demo"), loaded=build_demo())
+    media = session.load_media([folder])
     with pytest.warns(MediaWarning) as caught:
-        load_media([folder])
+        tokens = session.prepare(media, "What?").prompt.visual_tokens
+        session.prepare(media, "And now?")  # the same input again (another run): no second warning
     (w,) = [str(c.message) for c in caught]
-    assert w.startswith(f"{folder}: one image set of 257 images, 1028 visual tokens in one prompt")
+    assert w.startswith(f"{folder}: one image set of 257 images, {tokens} visual tokens in one prompt")
     assert "--each" in w and "--max-pixels" in w
     (folder / "0.png").unlink()
     with warnings.catch_warnings():
         warnings.simplefilter("error", MediaWarning)
-        load_media([folder])  # 256 images: no warning
-        monkeypatch.setattr("hybridkv_cli.media.geometry.LARGE_PROMPT_TOKENS", 1000)
-        with pytest.raises(MediaWarning, match="1024 visual tokens"):
-            load_media([folder])
+        session.prepare(session.load_media([folder]), "What?")  # 256 images: no warning
 
+
+def test_large_video_prompt_warns_from_the_built_prompt(tmp_path, capsys, monkeypatch):
+    from hybridkv_cli.demo import build_demo
+
+    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: build_demo())
+    monkeypatch.setattr("hybridkv_cli.session.LARGE_PROMPT_TOKENS", 8)  # the demo clip's prompt holds 12
+    clip = make_video(tmp_path / "clip.mp4", n=8)
+    assert cli.run(["ask", str(clip), "What?", "--json", "-q", *FAST]) == 0
+    out, err = capsys.readouterr()
+    tokens = json.loads(out)["input"]["visual_tokens"]
+    assert err == f"warning: {clip}: {tokens} visual tokens in one prompt; fewer --frames or a lower --max-pixels " \
+                  "makes it smaller\n"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The key is 42. " * 20, encoding="utf-8")
+    assert cli.run(["ask", "--context", str(notes), "What is the key?", "--json", "-q", *FAST]) == 0
+    assert capsys.readouterr().err == ""  # a text context is not visual: no warning
 
 
 def test_a_stop_signal_swallowed_by_a_destructor_still_stops_the_run():

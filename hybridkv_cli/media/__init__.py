@@ -13,7 +13,8 @@
 * one or more image files, or one directory of images -> ``kind == "images"``: EXIF orientation
   applied, converted to RGB (alpha composited on white, 16-bit scaled down, CMYK/palette/grey
   converted), first frame of an animation inside a set (with a warning), resized with
-  ``smart_resize``; a set of more than 256 images or 16k visual tokens gets a warning.
+  ``smart_resize`` (a set of more than 256 images gets a warning from the session, which also
+  warns about any prompt of more than 16k visual tokens, counted in the built prompt).
 
 One job per module: :mod:`.paths` (path checks, the directory scan, labels), :mod:`.sniff`
 (file checks, content sniffing), :mod:`.geometry` (Qwen's sizes), :mod:`.images` (image
@@ -35,7 +36,7 @@ import numpy as np
 
 from hybridkv_cli.errors import UsageError
 from hybridkv_cli.media.animation import is_animation, load_animation
-from hybridkv_cli.media.geometry import check_pixel_arg, pixel_bounds, target_size, warn_if_large
+from hybridkv_cli.media.geometry import check_pixel_arg, pixel_bounds, target_size
 from hybridkv_cli.media.images import load_image
 from hybridkv_cli.media.input import MediaInput
 from hybridkv_cli.media.paths import (IMAGE_EXTENSIONS, MEDIA_EXTENSIONS, VIDEO_EXTENSIONS, ExpandedInputs,
@@ -98,7 +99,5 @@ def load_media(paths: Sequence[str | os.PathLike] | str | os.PathLike, *, frames
         return load_animation(expanded.sources[0], int(frames), fps, min_pixels, max_pixels, expanded.origin)
     several = len(expanded.sources) > 1
     images = tuple(load_image(p, min_pixels, max_pixels, in_set=several) for p in expanded.sources)
-    media = MediaInput(kind="images", sources=expanded.sources, video=None, images=images, frames_total=None,
-                       frames_used=len(images), sample_fps=None, origin=expanded.origin, decoder="pillow")
-    warn_if_large(media)
-    return media
+    return MediaInput(kind="images", sources=expanded.sources, video=None, images=images, frames_total=None,
+                      frames_used=len(images), sample_fps=None, origin=expanded.origin, decoder="pillow")

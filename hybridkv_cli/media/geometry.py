@@ -7,11 +7,10 @@ newer ones count tokens), with the same defaults when it is missing.
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 
-from hybridkv_cli.errors import MediaError, MediaWarning, UsageError
+from hybridkv_cli.errors import MediaError, UsageError
 from hybridkv_cli.media.sniff import one_line
 
 try:  # pragma: no branch
@@ -126,26 +125,3 @@ def target_size(height: int, width: int, min_pixels: int, max_pixels: int, *, so
             w -= PATCH_FACTOR
     return h, w
 
-
-#: An image set above either limit gets a warning: it is one prompt, and may be far bigger than meant.
-LARGE_SET_IMAGES = 256
-LARGE_PROMPT_TOKENS = 16384
-
-
-def visual_tokens(height: int, width: int, frames: int = 1) -> int:
-    """Tokens Qwen2.5-VL spends on ``frames`` images of (height, width): one per 28x28 patch,
-    video frames paired by the temporal patch."""
-    pairs = max(1, math.ceil(frames / FRAME_FACTOR)) if frames > 1 else 1
-    return pairs * (height // PATCH_FACTOR) * (width // PATCH_FACTOR)
-
-
-def warn_if_large(media) -> None:
-    """One warning line when an image set holds more than 256 images or 16k visual tokens (a
-    folder of 2000 thumbnails is one 8000-token prompt unless --each is given)."""
-    if media.kind != "images":
-        return
-    tokens = sum(visual_tokens(im.size[1], im.size[0]) for im in media.images)
-    if len(media.images) > LARGE_SET_IMAGES or tokens > LARGE_PROMPT_TOKENS:
-        warnings.warn(f"{media.label}: one image set of {len(media.images)} images, {tokens} visual tokens in one "
-                      "prompt; --each asks about every image separately, a lower --max-pixels makes each image "
-                      "smaller", MediaWarning, stacklevel=3)
