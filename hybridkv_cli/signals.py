@@ -5,6 +5,7 @@ the exit status is 128 + the signal number (130 SIGINT, 143 SIGTERM, 129 SIGHUP)
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -79,11 +80,26 @@ def stop_on_signals() -> Iterator[None]:
     come back afterwards: nothing is installed at import)."""
     _received.clear()
     previous = _install(_raise, STOP_SIGNALS) if _main_thread() else {}
+    hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_stops(hook)
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         _restore(previous)
         _received.clear()
+
+
+def _quiet_stops(hook):
+    """An unraisable-exception hook that drops our own stop raised inside a destructor (e.g.
+    decord's ``VideoReader.__del__``): Python would print its traceback, yet the stop is
+    remembered and ends the run cleanly (:func:`raise_if_stopped`)."""
+
+    def quiet(unraisable):
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            hook(unraisable)
+
+    return quiet
 
 
 def _raise(signum, frame):
