@@ -13,19 +13,32 @@ Reports per method: per-token decode latency (whole step), decode attention time
 (the ragged kernel + retrieval, summed over layers), device KV bytes and ratio vs full, host
 bytes, and compression overhead (classification + allocation + pruning + offload) as a share of
 the prefill time.
+
+Timing: every configuration (prompt length x method x budget, and stock) first runs one untimed
+warm-up generation of the same prompt and length, so Triton compiles and first-call allocations
+stay out of the timed run. The warm-up's wall time is reported apart: ``warmup_s``, and
+``warmup_overhead_s``, what it took beyond the timed run (an estimate of those one-time costs,
+within run-to-run noise: about 0, or below, on the CPU where nothing compiles). Steps are timed
+on the host after a device sync; decode attention with CUDA events on CUDA (the host clock on
+the CPU) per layer call, summed per step: ``attention_ms_per_step`` is the mean over the decode
+steps, ``attention_ms_p50`` the median. ``--no-warmup`` times the first generation (cold).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
+import sys
 import time
+from unittest import mock
 
 import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+from hybridkv_cli.compression import cache as cache_module
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.generation import StepClock, generate
 from hybridkv_cli.prompt import Prompt
@@ -68,26 +81,95 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return name, options
 
 
-def run(model, prompt: Prompt, spec: str, budget: float, new_tokens: int) -> dict:
+class SpanClock(cache_module.DeviceClock):
+    """The cache's attention clock, also keeping each span (one layer's decode attention) apart,
+    so that attention time can be summed per step. Its own events on CUDA (no sync, read at the
+    end), the host clock on the CPU; the cache's total (``attention_seconds``) is unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.spans: list = []  # seconds (CPU) or (start, end) CUDA events, one per span
+
+    @contextlib.contextmanager
+    def span(self, device: torch.device):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            with super().span(device):
+                yield
+            end.record()
+            self.spans.append((start, end))
+        else:
+            start = time.perf_counter()
+            with super().span(device):
+                yield
+            self.spans.append(time.perf_counter() - start)
+
+    def span_seconds(self) -> list[float]:
+        if self.spans and isinstance(self.spans[0], tuple):
+            self.spans[-1][1].synchronize()
+            return [s.elapsed_time(e) / 1e3 for s, e in self.spans]
+        return list(self.spans)
+
+
+@contextlib.contextmanager
+def span_clocks():
+    """Caches built inside the block time attention with a :class:`SpanClock` (yields them)."""
+    clocks: list[SpanClock] = []
+
+    def make():
+        clocks.append(SpanClock())
+        return clocks[-1]
+
+    with mock.patch.object(cache_module, "DeviceClock", make):
+        yield clocks
+
+
+def attention_per_step(clock: SpanClock | None, steps: int, layers: int) -> list[float] | None:
+    """Decode attention seconds of each step: the spans (one per layer per decode step, in order)
+    summed in groups of ``layers``. None where the spans do not divide into ``steps`` steps."""
+    spans = clock.span_seconds() if clock is not None else []
+    if steps == 0 or len(spans) != steps * layers:
+        print(f"  attention spans: {len(spans)}, expected {steps} steps x {layers} layers: no per-step p50",
+              file=sys.stderr, flush=True)
+        return None
+    return [sum(spans[i * layers:(i + 1) * layers]) for i in range(steps)]
+
+
+def run(model, prompt: Prompt, spec: str, budget: float, new_tokens: int, warmup: bool = True) -> dict:
     method, options = parse_method(spec)
     policy = make_policy(method, budget=budget, **options)
-    out = generate(model, prompt, policy, max_new_tokens=new_tokens)
+    warmup_s = None
+    if warmup:  # untimed: Triton compiles and first-call allocations happen here, not below
+        started = time.perf_counter()
+        generate(model, prompt, policy, max_new_tokens=new_tokens)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        warmup_s = time.perf_counter() - started
+    with span_clocks() as clocks:
+        out = generate(model, prompt, policy, max_new_tokens=new_tokens)
     cfg = model.config.get_text_config()
     full_prompt_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 128 * prompt.length * model.dtype.itemsize
     steps = len(out.step_s)
     heads = out.cache.summary()
+    attention_steps = attention_per_step(clocks[-1] if clocks else None, steps, cfg.num_hidden_layers)
+    timed_s = out.prefill_s + sum(out.step_s)
     return {
         "method": spec,
         "budget": policy.budget,
         "prefill_s": out.prefill_s,
         "compress_s": out.cache.compress_seconds,
         "compress_share_of_prefill": out.cache.compress_seconds / out.prefill_s,
-        # The first decode step pays one-time costs (Triton compiles on a GPU): reported apart.
+        # One-time costs (Triton compiles, first-call allocations) fall in the warm-up run;
+        # the first timed step still pays for cold retrieval: reported apart.
+        "warmup_s": warmup_s,
+        "warmup_overhead_s": None if warmup_s is None else warmup_s - timed_s,
         "first_step_ms": 1e3 * out.step_s[0],
         "step_ms_mean": 1e3 * statistics.fmean(out.step_s[1:] or out.step_s),
         "step_ms_p50": 1e3 * statistics.median(out.step_s[1:] or out.step_s),
         # Attention of the first decode step includes cold retrieval; the generation's total is averaged.
         "attention_ms_per_step": 1e3 * out.cache.attention_seconds / steps,
+        "attention_ms_p50": None if attention_steps is None else 1e3 * statistics.median(attention_steps),
         "device_bytes_after_prefill": out.device_bytes_after_prefill,
         "device_ratio_vs_full_prompt": out.device_bytes_after_prefill / full_prompt_bytes,
         "host_bytes": out.cache.host_bytes(),
@@ -97,9 +179,17 @@ def run(model, prompt: Prompt, spec: str, budget: float, new_tokens: int) -> dic
     }
 
 
-def stock_run(model, prompt: Prompt, new_tokens: int) -> dict:
+def stock_run(model, prompt: Prompt, new_tokens: int, warmup: bool = True) -> dict:
     """Stock ``generate`` with transformers' own cache and SDPA: the baseline users have today."""
     inputs = {k: v.to(model.device) for k, v in prompt.inputs.items()}
+    warmup_s = None
+    if warmup:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        warmup_s = time.perf_counter() - started
     clock = StepClock(model.device)
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -110,6 +200,8 @@ def stock_run(model, prompt: Prompt, new_tokens: int) -> dict:
     steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
     return {
         "method": "stock-sdpa", "budget": 1.0, "prefill_s": clock.stamps[0] - start,
+        "warmup_s": warmup_s,
+        "warmup_overhead_s": None if warmup_s is None else warmup_s - (clock.stamps[-1] - start),
         "step_ms_mean": 1e3 * statistics.fmean(steps), "step_ms_p50": 1e3 * statistics.median(steps),
         "cuda_peak_bytes": torch.cuda.max_memory_allocated() - base if model.device.type == "cuda" else None,
     }
@@ -128,6 +220,8 @@ def parser(**defaults) -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=defaults.get("dtype", "float32"))
     ap.add_argument("--stock", action=argparse.BooleanOptionalAction, default=defaults.get("stock", False),
                     help="also time stock generate (transformers cache + SDPA)")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="one untimed generation per configuration before the timed one (default: on)")
     ap.add_argument("--out", default=None)
     return ap
 
@@ -140,11 +234,11 @@ def main(argv=None, **defaults) -> None:
         prompt = video_like_prompt(length, model.config.get_text_config().vocab_size)
         runs = [("full", 1.0)] + [(m, b) for m in args.methods for b in args.budgets]
         if args.stock:
-            rows.append({"prompt_tokens": length, **stock_run(model, prompt, args.new_tokens)})
+            rows.append({"prompt_tokens": length, **stock_run(model, prompt, args.new_tokens, args.warmup)})
             print(json.dumps(rows[-1]), flush=True)
         for method, budget in runs:
             started = time.perf_counter()
-            row = {"prompt_tokens": length, **run(model, prompt, method, budget, args.new_tokens)}
+            row = {"prompt_tokens": length, **run(model, prompt, method, budget, args.new_tokens, args.warmup)}
             rows.append(row)
             print(json.dumps(row), flush=True)
             print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -158,7 +252,7 @@ def main(argv=None, **defaults) -> None:
     meta = {"machine": gpu or platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "dtype": args.dtype,
             "torch": torch.__version__, "layers": args.layers, "intermediate": args.intermediate,
-            "new_tokens": args.new_tokens}
+            "new_tokens": args.new_tokens, "warmup": args.warmup}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
