@@ -223,7 +223,7 @@ class Recorder:
 def run_batch(items: list[Item], question: str | None, session: Session, *, console, jsonl: TextIO | None = None,
               human=None, output: str | os.PathLike | None = None, resume: bool = False, quiet: bool = False,
               debug: bool = False, questions: list[tuple[str, tuple[str, ...]]] | None = None,
-              context: str | None = None) -> Summary:
+              context: str | None = None, limits=None) -> Summary:
     """Answer every item; one record per input (success or error), in order.
 
     ``jsonl``: a stream that gets every record line (flushed per line); ``human``: a rich console
@@ -239,6 +239,10 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
     item is compressed once (or loaded from its ``.hkv`` file) and each question answered from
     that cache, one record per question (:meth:`Session.answer_all`); ``resume`` skips the
     (input, question) pairs already answered and an input whose questions all are.
+
+    ``limits`` (a :class:`~hybridkv_cli.batching.BatchLimits` that batches): the inputs are
+    decoded together (:meth:`Session.answer_batched`) and their lines come in the order they
+    finish.
     """
     recorder, items, answered = Recorder.start(items, output, resume, questions, console=console, jsonl=jsonl,
                                                human=human, quiet=quiet)
@@ -246,23 +250,39 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
 
     progress = Progress(console, len(items), quiet=quiet)
     session.stage = progress.stage
+    started: dict[str, float] = {}
+
+    def begin(item: Item) -> Item:
+        signals.raise_if_stopped()  # a stop whose exception a destructor swallowed
+        progress.begin(item.key)
+        started[item.key] = time.perf_counter()
+        return item
+
+    def one_by_one():
+        for item in items:
+            try:
+                yield item, answer_item(session, begin(item), question, questions, answered, context)
+            except (UsageError, ModelError):  # the same for every input: stop the run
+                raise
+            except Exception as e:
+                yield item, e
+
+    def together():
+        for item, result in session.answer_batched(map(begin, items), question, limits, context):
+            yield item, result if isinstance(result, BaseException) else [result]
+
     try:
         with progress:
-            for item in items:
-                signals.raise_if_stopped()  # a stop whose exception a destructor swallowed
-                progress.begin(item.key)
-                started = time.perf_counter()
-                try:
-                    results = answer_item(session, item, question, questions, answered, context)
-                except (UsageError, ModelError):  # the same for every input: stop the run
-                    raise
-                except Exception as e:
-                    if debug and not isinstance(e, HybridKVError):
-                        raise
-                    recorder.failed(item.key, error_record(item.key, e), error_kind(e))
-                    progress.finish(item.key, False, time.perf_counter() - started)
+            for item, results in (together() if limits is not None and limits.batched else one_by_one()):
+                seconds = time.perf_counter() - started.pop(item.key)
+                if isinstance(results, BaseException):
+                    if isinstance(results, (UsageError, ModelError)) or (
+                            debug and not isinstance(results, HybridKVError)):
+                        raise results
+                    recorder.failed(item.key, error_record(item.key, results), error_kind(results))
+                    progress.finish(item.key, False, seconds)
                     continue
-                progress.finish(item.key, recorder.answered(item.key, results), time.perf_counter() - started)
+                progress.finish(item.key, recorder.answered(item.key, results), seconds)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.signals)
         summary.stopped_by = signals.signal_of(e)
     finally:

@@ -191,7 +191,7 @@ def group_by_media(tasks: list[Task]) -> list[list[Task]]:
 
 
 def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[float], *, console=None,
-              quiet: bool = False, debug: bool = False, per_video: bool = False, **options) -> dict:
+              quiet: bool = False, debug: bool = False, per_video: bool = False, limits=None, **options) -> dict:
     """Run every task through :func:`plan_runs` with ``session`` and aggregate; returns
     ``{"config", "aggregates", "items"}``.
 
@@ -206,6 +206,9 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
     (method, budget), and every question is answered from a copy of it
     (:mod:`hybridkv_cli.multi`), as a deferred question; the answers are those of a run with
     ``defer_question`` and no grouping (tested), in less time.
+
+    ``limits`` (a :class:`~hybridkv_cli.batching.BatchLimits` that batches): every run decodes
+    all the inputs together (:meth:`Session.decode_together`); the answers are the same.
     """
     from rich.markup import escape
 
@@ -232,10 +235,13 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
                           soft_wrap=True)
         return error
 
+    batched = limits is not None and limits.batched
     if per_video:
         items = _run_grouped(session, tasks, policies, progress, failed)
-    with (nullcontext() if per_video else progress):
-        for task in ([] if per_video else tasks):
+    elif batched:
+        items = _run_batched(session, tasks, policies, progress, failed, limits)
+    with (nullcontext() if per_video or batched else progress):
+        for task in ([] if per_video or batched else tasks):
             try:
                 media = session.load_media(task.media) if task.media else None
                 prepared = session.prepare(media, task.question, context=task.context, source=task.id)
@@ -271,6 +277,48 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
               "frames": settings.frames,
               "fps": settings.fps, "max_pixels": settings.max_pixels, "inputs": len(tasks), "note": note(loaded)}
     return {"config": config, "aggregates": aggregate(items, runs), "items": items}
+
+
+def _keep(results: dict, references: dict, task: Task, method: str, budget: float, result: dict) -> None:
+    """Keep one run's item; the reference run's answer is what the others' fidelity compares with
+    (it runs first)."""
+    if method == REFERENCE:
+        references[task.id] = result["answer"]
+    results[task.id, method, budget] = _record(task, method, budget, result, references.get(task.id))
+
+
+def _run_batched(session, tasks: list[Task], policies: dict, progress, failed, limits) -> list[dict]:
+    """Every run (the reference first) decodes all the tasks together (see :func:`run_bench`)."""
+    runs = list(policies)
+    results: dict = {}
+    prepared: dict = {}
+    with progress:
+        for task in tasks:
+            try:
+                media = session.load_media(task.media) if task.media else None
+                prepared[task.id] = session.prepare(media, task.question, context=task.context, source=task.id)
+            except Exception as e:
+                error = failed(task.id, e)
+                for method, budget in runs:
+                    results[task.id, method, budget] = _record(task, method, budget, error=error)
+                    progress.finish(f"{task.id} {method} b={budget:g}", False, 0.0)
+        if prepared:  # the first generation pays one-time costs: keep them out of every ms/token
+            with suppress(Exception):
+                session.run(next(iter(prepared.values())), policies[REFERENCE, 1.0], max_new_tokens=2)
+        todo = [task for task in tasks if task.id in prepared]
+        reference: dict[str, str] = {}
+        for method, budget in runs:
+            started = time.perf_counter()
+            jobs = [(task, lambda p=prepared[task.id]: p) for task in todo]
+            for task, result in session.decode_together(jobs, policies[method, budget], limits):
+                key = f"{task.id} {method} b={budget:g}"
+                if isinstance(result, BaseException):
+                    results[task.id, method, budget] = _record(task, method, budget, error=failed(key, result))
+                    progress.finish(key, False, time.perf_counter() - started)
+                    continue
+                _keep(results, reference, task, method, budget, result)
+                progress.finish(key, True, time.perf_counter() - started)
+    return [results[task.id, method, budget] for task in tasks for method, budget in runs]
 
 
 def _run_grouped(session, tasks: list[Task], policies: dict, progress, failed) -> list[dict]:
@@ -321,9 +369,7 @@ def _run_grouped(session, tasks: list[Task], policies: dict, progress, failed) -
                                                                    error=failed(f"{task.id} {method} b={budget:g}", e))
                         ok = False
                         continue
-                    if method == REFERENCE:
-                        references[task.id] = result["answer"]
-                    results[task.id, method, budget] = _record(task, method, budget, result, references.get(task.id))
+                    _keep(results, references, task, method, budget, result)
                 progress.finish(key, ok, time.perf_counter() - started)
     return [results[task.id, method, budget] for task in tasks for method, budget in runs]
 

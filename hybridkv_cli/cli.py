@@ -20,10 +20,11 @@ from hybridkv_cli.cli_options import (  # noqa: F401 - options and help texts of
     ARGS, MODEL, CONTEXT, BUDGET, WINDOW, THETA, TOPK, SHARE, CHUNK, SINK_AWARE, LANDMARK, REFRESH,
     REFRESH_RATE, REFRESH_PERIOD, REFRESH_SLOTS, SINKS, PAGE_SIZE, ROUTE, HEAD_SCORES, FRAMES, FPS, DEFER,
     MAX_PIXELS, DEVICE, DTYPE, JSON, DEBUG, QUIET, EACH, JSONL, OUTPUT, ASK_MODEL, QUESTION, QUESTIONS,
-    RESUME, ASK_HELP, BENCH_HELP, COMPRESS_HELP, METHOD_OPTIONS, WORKERS, RAY, GPUS_PER_WORKER,
+    RESUME, ASK_HELP, BENCH_HELP, COMPRESS_HELP, METHOD_OPTIONS, WORKERS, RAY, GPUS_PER_WORKER, BATCH_SIZE, KV_MEMORY,
 )
 from hybridkv_cli.console import err, one_line_warnings, print_error, print_warning, quiet_libraries, status
 from hybridkv_cli.errors import HybridKVError, UsageError, one_line
+from hybridkv_cli.questions import split_args
 from hybridkv_cli.signals import describe, exit_code, signal_of, stop_on_signals
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -34,23 +35,6 @@ _state = {"debug": False}
 def _method_options(values: dict) -> dict:
     """The method options among a command's parameters (None: not given)."""
     return {k: values[k] for k in METHOD_OPTIONS if k in values}
-
-
-def _split_args(args: list[str] | None, context: str | None,
-                alternative: str = "(or --context FILE and the question)") -> tuple[list[str], str]:
-    """(media paths, question) from MEDIA... QUESTION; with --context only the question.
-    ``alternative`` names the other way to give an input, in the error."""
-    from hybridkv_cli.questions import clean_question
-
-    args = args or []
-    if context is not None:
-        if len(args) != 1:
-            raise UsageError("with --context give only the question (the context replaces the media)", "arguments")
-        return [], clean_question(args[0])
-    if len(args) < 2:
-        raise UsageError(f"give one or more media files (or a directory) followed by the question {alternative}",
-                         "arguments")
-    return list(args[:-1]), clean_question(args[-1])
 
 
 @app.command(help=ASK_HELP)
@@ -70,10 +54,12 @@ def ask(
     defer_question: bool = DEFER, device: str = DEVICE, dtype: str = DTYPE, as_json: bool = JSON,
     each: bool = EACH, jsonl: bool = JSONL, output: Optional[Path] = OUTPUT, resume: bool = RESUME,
     quiet: bool = QUIET, debug: bool = DEBUG, context: Optional[str] = CONTEXT, workers: Optional[int] = WORKERS,
-    ray: Optional[str] = RAY, gpus_per_worker: float = GPUS_PER_WORKER,
+    ray: Optional[str] = RAY, gpus_per_worker: float = GPUS_PER_WORKER, batch_size: Optional[int] = BATCH_SIZE,
+    kv_memory: Optional[str] = KV_MEMORY,
 ):
     given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.batch import run_batch
+    from hybridkv_cli.batching import BatchLimits
     from hybridkv_cli.inputs import Item, plan_inputs, read_context
     from hybridkv_cli.session import AskOptions, Session
 
@@ -82,7 +68,7 @@ def ask(
     _state["debug"] = debug
     asked = plan_questions(question_opt, questions_file)
     if asked is None:
-        paths, question = _split_args(args, context)
+        paths, question = split_args(args, context)
         if "\n" not in question and len(question) < 4096 and os.path.exists(question):
             print_warning(f"the question '{question}' is an existing path; the question comes last (MEDIA... QUESTION)")
     else:
@@ -94,6 +80,8 @@ def ask(
                          "--context")
     model, dtype, caches = resolve_cache_inputs(paths, model, dtype)
     multi = asked is not None or caches  # one compression (or a .hkv file), one record per question
+    limits = BatchLimits.of(batch_size, kv_memory, "-Q/--questions or .hkv inputs" if multi else
+                            "--workers or --ray" if workers or ray else None)
     options = AskOptions(
         model=model, device=device, dtype=dtype, method=method or "hybridkv", method_given=method is not None,
         frames=frames, fps=fps, max_pixels=max_pixels, max_new_tokens=max_new_tokens,
@@ -144,7 +132,7 @@ def ask(
               else None, output=output, resume=resume, quiet=quiet, debug=debug)
     from hybridkv_cli.distributed import run_distributed  # imports Ray only when it runs
     summary = (run_distributed(items, question, options, workers=workers, address=ray, gpus_per_worker=gpus_per_worker,
-                               **kw) if workers or ray else run_batch(items, question, session, **kw))
+                               **kw) if workers or ray else run_batch(items, question, session, limits=limits, **kw))
     return summary.exit_code
 
 
@@ -178,7 +166,7 @@ def profile(
     session = Session(AskOptions(model=model, device=device, dtype=dtype, method="hybridkv", method_options=given,
                                  frames=frames, fps=fps, max_pixels=max_pixels, max_new_tokens=max_new_tokens),
                       stage=status(quiet))
-    paths, question = _split_args(args, context)
+    paths, question = split_args(args, context)
     media = session.load_media(paths) if paths else None  # cheap checks first, then the model
     text = read_context(context) if context is not None else None
     prepared = session.prepare(media, question, context=text, source=Item(tuple(paths)).key if paths else None)
@@ -220,8 +208,10 @@ def bench(
     device: str = DEVICE, dtype: str = DTYPE, workers: Optional[int] = WORKERS, ray: Optional[str] = RAY,
     as_json: bool = typer.Option(False, "--json", help="Print the JSON (config, aggregates, items), not the table."),
     quiet: bool = QUIET, debug: bool = DEBUG, gpus_per_worker: float = GPUS_PER_WORKER,
+    batch_size: Optional[int] = BATCH_SIZE, kv_memory: Optional[str] = KV_MEMORY,
 ):
     given = _method_options(locals())  # first: the parameters only
+    from hybridkv_cli.batching import BatchLimits
     from hybridkv_cli.bench import Task, method_options, parse_budgets, parse_methods, read_tasks, run_bench
     from hybridkv_cli.bench_report import render_bench, save
     from hybridkv_cli.inputs import Item
@@ -229,6 +219,8 @@ def bench(
 
     _state["debug"] = debug
     names, sweep = parse_methods(methods), parse_budgets(budgets)
+    limits = BatchLimits.of(batch_size, kv_memory, "--per-video" if per_video else
+                            "--workers or --ray" if workers or ray else None)
     options = given
     method_options(names, options)  # refuses what no method takes before anything loads
     if tasks is not None:
@@ -236,7 +228,7 @@ def bench(
             raise UsageError("give either --tasks FILE or MEDIA... QUESTION [--answer A], not both", "--tasks")
         inputs = read_tasks(tasks)
     else:
-        paths, question = _split_args(args, None, alternative="(or --tasks FILE)")
+        paths, question = split_args(args, None, alternative="(or --tasks FILE)")
         inputs = [Task(Item(tuple(paths)).key, question, tuple(answer or ()), media=tuple(paths))]
     session = Session(AskOptions(model=model, device=device, dtype=dtype, method=None, frames=frames, fps=fps,
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens,
@@ -245,7 +237,7 @@ def bench(
     from hybridkv_cli.distributed import run_bench_distributed  # imports Ray only when it runs
     result = (run_bench_distributed(session.options, inputs, names, sweep, workers=workers, address=ray,
                                     gpus_per_worker=gpus_per_worker, **kw) if workers or ray
-              else run_bench(session, inputs, names, sweep, **kw))
+              else run_bench(session, inputs, names, sweep, limits=limits, **kw))
     if out is not None:
         err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
     if as_json:

@@ -67,3 +67,18 @@ def read_questions(path: str) -> list[tuple[str, tuple[str, ...]]]:
             raise UsageError(f"line {n}: expected {{\"question\": TEXT, \"answer\"?: TEXT or [TEXT]}}", path) from None
         out.append((clean_question(question), answers))
     return out
+
+
+def split_args(args: list[str] | None, context: str | None,
+               alternative: str = "(or --context FILE and the question)") -> tuple[list[str], str]:
+    """(media paths, question) from a command's MEDIA... QUESTION arguments; with --context only
+    the question. ``alternative`` names the other way to give an input, in the error."""
+    args = args or []
+    if context is not None:
+        if len(args) != 1:
+            raise UsageError("with --context give only the question (the context replaces the media)", "arguments")
+        return [], clean_question(args[0])
+    if len(args) < 2:
+        raise UsageError(f"give one or more media files (or a directory) followed by the question {alternative}",
+                         "arguments")
+    return list(args[:-1]), clean_question(args[-1])

@@ -21,7 +21,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from hybridkv_cli import models
+from hybridkv_cli import models, signals
 from hybridkv_cli.compression import Policy, make_policy
 from hybridkv_cli.errors import (ContextLengthError, HybridKVError, MediaWarning, ModelError, OutOfMemoryError,
                                  UsageError, one_line)
@@ -151,6 +151,45 @@ class Session:
         media = self.load_media(item.paths) if item.paths else None
         prepared = self.prepare(media, question, context=context, source=item.key if item.paths else None)
         return self.run(prepared, self.policy)
+
+    # --- many inputs decoded together (batching.py) ---------------------------------------------
+    def answer_batched(self, items, question: str, limits, context: str | None = None):
+        """``(item, record)`` of every item, decoded together under ``limits`` (a
+        :class:`~hybridkv_cli.batching.BatchLimits`), in the order they finish; a failed input's
+        record is its :class:`HybridKVError` (or the exception) instead. Each record is the one
+        :meth:`answer` gives, plus ``batch``: how it was batched. ``items`` are read as the batch
+        has room for them."""
+        def job(item: Item):
+            def prepare() -> Prepared:
+                if item.error is not None:
+                    raise item.error
+                media = self.load_media(item.paths) if item.paths else None
+                return self.prepare(media, question, context=context, source=item.key if item.paths else None)
+            return item, prepare
+
+        return self.decode_together(map(job, items), self.policy, limits)
+
+    def decode_together(self, jobs, policy: Policy, limits):
+        """``(tag, record or error)`` of ``jobs`` (``(tag, prepare)`` pairs, ``prepare()`` giving
+        a :class:`Prepared`) decoded together with ``policy`` (see :meth:`answer_batched`)."""
+        from hybridkv_cli.batching import decode_batched, prefill
+
+        o = self.options
+
+        def first_token(prepared: Prepared):
+            return self._guarded(prepared.source, prefill, self.model().model, prepared.prompt, policy,
+                                 o.defer_question)
+
+        for outcome in decode_batched(lambda: self.model().model, jobs, first_token, max_new_tokens=o.max_new_tokens,
+                                      limits=limits, on_step=signals.raise_if_stopped):
+            if outcome.error is not None:
+                yield outcome.tag, outcome.error
+                continue
+            p = outcome.prepared
+            record = make_record(self.model(), p.media, p.prompt, p.question, policy, outcome.generation,
+                                 o.defer_question)
+            record["batch"] = outcome.batch
+            yield outcome.tag, record
 
     # --- one compression, many questions (multi.py, hkv.py) ------------------------------------
     def compress(self, item: Item, context: str | None = None) -> CompressedPrefix:

@@ -3,7 +3,8 @@
 Public ops (each takes ``backend="auto" | "torch" | "triton"``, see :mod:`.dispatch`):
 
 - :func:`ragged_decode_attention` -- split-KV decode attention over the per-head ragged store
-  plus generated tokens; :func:`dense_decode_attention` runs a full cache through it.
+  plus generated tokens; :func:`dense_decode_attention` runs a full cache through it, and
+  :func:`batched_decode_attention` the stores of several sequences in one launch.
 - :func:`chunk_topk` -- landmark scores (max over the query group) and top-k chunk ids.
 - :func:`chunk_gather` -- load missing chunks from the host store into device slots.
 - :func:`window_scores` -- causal window attention + max-pooled scores (prefill; torch only).
@@ -16,6 +17,8 @@ triton is optional: nothing here imports it until a Triton kernel is first used.
 from .chunk_gather import chunk_gather, chunk_gather_torch, chunk_gather_triton, gather_plan
 from .chunk_topk import chunk_scores_torch, chunk_topk, chunk_topk_torch, chunk_topk_triton
 from .decode_attention import (
+    RaggedKV,
+    batched_decode_attention,
     decode_split_heuristic,
     dense_decode_attention,
     ragged_decode_attention,
@@ -27,6 +30,8 @@ from .window_scores import window_scores, window_scores_torch
 
 __all__ = [
     "BACKENDS",
+    "RaggedKV",
+    "batched_decode_attention",
     "HAS_TRITON",
     "chunk_gather",
     "chunk_gather_torch",

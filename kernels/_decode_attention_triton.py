@@ -33,7 +33,7 @@ def _attend_block(q, k, v, mask_n, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
 # their own variant, i.e. compile stalls in the first decode steps
 @triton.jit(do_not_specialize=["n_gen"])
 def ragged_decode_stage1_kernel(
-    Q, K, V, GK, GV, OFF, LEN, O_PART, LSE_PART,
+    Q, K, V, GK, GV, OFF, LEN, SEG, O_PART, LSE_PART,
     n_gen, split_len, qk_scale, G, D,
     stride_qh, stride_qg,
     stride_kt, stride_vt,
@@ -41,9 +41,15 @@ def ragged_decode_stage1_kernel(
     stride_oh, stride_os, stride_og,
     stride_lh, stride_ls,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, TABLE: tl.constexpr,
 ):
     """One program = one KV head x one split of its (ragged rows ++ generated rows).
+
+    ``TABLE``: the heads are segments of several stores (a batch of sequences, each its own
+    tensors): ``SEG[h]`` holds five int64s, the addresses of segment h's store keys and values,
+    of its first generated key and value row, and its generated-row count; ``K``, ``V``, ``GK``,
+    ``GV`` and ``n_gen`` are then unused (dummies of the element type) and ``OFF`` is relative
+    to the segment's own store. Every row stride is ``D`` in that mode (checked by the launcher).
 
     Writes the split's normalised partial output ``O_PART[h, s, :G, :D]`` (fp32) and its
     log-sum-exp in log2 units ``LSE_PART[h, s, :G]`` (-inf for an empty split).
@@ -62,6 +68,17 @@ def ragged_decode_stage1_kernel(
     if UPCAST:  # interpreter: bf16 arithmetic is done on raw bits there
         q = q.to(tl.float32)
 
+    if TABLE:
+        ptr = K.dtype.element_ty
+        # 16-byte aligned (the launcher checks): without the hint the loads are not vectorised
+        K = tl.multiple_of(tl.load(SEG + h * 5).to(tl.pointer_type(ptr)), 16)
+        V = tl.multiple_of(tl.load(SEG + h * 5 + 1).to(tl.pointer_type(ptr)), 16)
+        GK = tl.multiple_of(tl.load(SEG + h * 5 + 2).to(tl.pointer_type(ptr)), 16)
+        GV = tl.multiple_of(tl.load(SEG + h * 5 + 3).to(tl.pointer_type(ptr)), 16)
+        n_gen = tl.load(SEG + h * 5 + 4)
+        head = 0  # the table's generated-row addresses are already the segment's own
+    else:
+        head = h
     row0 = tl.load(OFF + h).to(tl.int64)
     length = tl.load(LEN + h).to(tl.int64)
     total = length + n_gen
@@ -93,9 +110,9 @@ def ragged_decode_stage1_kernel(
         offs = n0 + off_n
         mask_n = offs < hi
         mask_kv = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(GK + h * stride_gkh + offs[:, None] * stride_gkt + off_d[None, :],
+        k = tl.load(GK + head * stride_gkh + offs[:, None] * stride_gkt + off_d[None, :],
                     mask=mask_kv, other=0.0)
-        v = tl.load(GV + h * stride_gvh + offs[:, None] * stride_gvt + off_d[None, :],
+        v = tl.load(GV + head * stride_gvh + offs[:, None] * stride_gvt + off_d[None, :],
                     mask=mask_kv, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)

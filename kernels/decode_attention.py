@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
 from .dispatch import load_triton_module, next_power_of_2, resolve_backend, triton_interpreting
 
 __all__ = [
+    "RaggedKV",
+    "batched_decode_attention",
     "dense_decode_attention",
     "ragged_decode_attention",
     "ragged_decode_attention_torch",
@@ -156,22 +159,33 @@ def _launch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None, n_gen=0, 
             num_splits=None, block_n=None):
     """:func:`ragged_decode_attention_triton` once the backend is resolved."""
     _check(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen)
-    H, G, d = q.shape
-    dev = q.device
-    mod = load_triton_module("_decode_attention_triton")
-    scale = d ** -0.5 if scale is None else float(scale)
+    H, _, d = q.shape
 
     def _lastdim(t):  # kernels assume unit stride along d
         return t if t.stride(-1) == 1 else t.contiguous()
 
-    out_dtype = q.dtype
-    # tl.dot wants one operand dtype: bring q and the generated rows to the store's
-    q = _lastdim(q.to(keys.dtype))
+    # tl.dot wants one operand dtype: bring the values and the generated rows to the store's
     keys, values = _lastdim(keys), _lastdim(values.to(keys.dtype))
     if n_gen > 0:
         gen_k, gen_v = _lastdim(gen_k.to(keys.dtype)), _lastdim(gen_v.to(keys.dtype))
     else:  # dummies: the generated loop runs zero times
         gen_k = gen_v = keys.new_empty(H, 1, d)
+    if max_length is None:
+        max_length = int(lengths.max().item()) if H > 0 else 0
+    return _run(q, keys, values, gen_k, gen_v, offsets, lengths, None, int(n_gen), int(max_length) + int(n_gen),
+                scale, num_splits, block_n)
+
+
+def _run(q, keys, values, gen_k, gen_v, offsets, lengths, seg, n_gen, max_total, scale, num_splits, block_n):
+    """Launch the split-KV pass and the merge over ``q``'s heads: one store (``seg`` None) or
+    the segments of several (``seg``: the table of :func:`batched_decode_attention`)."""
+    H, G, d = q.shape
+    dev = q.device
+    mod = load_triton_module("_decode_attention_triton")
+    scale = d ** -0.5 if scale is None else float(scale)
+    out_dtype = q.dtype
+    q = q.to(keys.dtype)
+    q = q if q.stride(-1) == 1 else q.contiguous()
     offsets = offsets.to(device=dev, dtype=torch.int64)
     lengths = lengths.to(device=dev, dtype=torch.int64)
 
@@ -180,9 +194,6 @@ def _launch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None, n_gen=0, 
     if block_n is None:
         block_n = 64 if BLOCK_D <= 128 else 32
     block_n = max(16, next_power_of_2(block_n))
-    if max_length is None:
-        max_length = int(lengths.max().item()) if H > 0 else 0
-    max_total = int(max_length) + int(n_gen)
     if num_splits is None:
         num_splits, split_len = decode_split_heuristic(max_total, H, block_n, dev)
     else:
@@ -198,14 +209,14 @@ def _launch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None, n_gen=0, 
     upcast = triton_interpreting() and keys.dtype == torch.bfloat16
     prec = "ieee" if keys.dtype == torch.float32 else "tf32"
     mod.ragged_decode_stage1_kernel[(H, num_splits)](
-        q, keys, values, gen_k, gen_v, offsets, lengths, o_part, lse_part,
-        int(n_gen), split_len, scale * _LOG2E, G, d,
+        q, keys, values, gen_k, gen_v, offsets, lengths, offsets if seg is None else seg, o_part, lse_part,
+        n_gen, split_len, scale * _LOG2E, G, d,
         q.stride(0), q.stride(1),
         keys.stride(0), values.stride(0),
         gen_k.stride(0), gen_k.stride(1), gen_v.stride(0), gen_v.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        BLOCK_G=BLOCK_G, BLOCK_N=block_n, BLOCK_D=BLOCK_D, UPCAST=upcast, PREC=prec,
+        BLOCK_G=BLOCK_G, BLOCK_N=block_n, BLOCK_D=BLOCK_D, UPCAST=upcast, PREC=prec, TABLE=seg is not None,
         num_warps=4,
     )
     mod.merge_splits_kernel[(H, G)](
@@ -217,6 +228,104 @@ def _launch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None, n_gen=0, 
         num_warps=4,
     )
     return out
+
+
+class RaggedKV(NamedTuple):
+    """One sequence's layer as a decode step reads it: the arguments of
+    :func:`ragged_decode_attention` after ``q`` (``max_length``: a host bound on ``lengths``)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    gen_k: torch.Tensor | None
+    gen_v: torch.Tensor | None
+    n_gen: int
+    max_length: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.offsets.numel()
+
+
+def _rows(t: torch.Tensor, dtype) -> torch.Tensor:
+    """``t`` [..., d] in ``dtype`` with unit-stride rows of ``d`` and a 16-byte aligned start."""
+    t = t.to(dtype)
+    if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] or t.data_ptr() % 16:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _generated(gen: torch.Tensor, n_gen: int, dtype) -> torch.Tensor:
+    """``gen`` [H, cap, d] with every head's first row 16-byte aligned (a copy of its first
+    ``n_gen`` rows, padded, when the head stride does not keep them so)."""
+    gen = _rows(gen, dtype)
+    if gen.stride(0) * gen.element_size() % 16:
+        step = 16 // math.gcd(gen.shape[-1] * gen.element_size(), 16)  # rows per 16-byte multiple
+        cap = -(-n_gen // step) * step
+        padded = gen.new_zeros(gen.shape[0], cap, gen.shape[-1])
+        padded[:, :n_gen] = gen[:, :n_gen]
+        gen = padded
+    return gen
+
+
+def _segment_table(stores: list[RaggedKV], device: torch.device) -> tuple[torch.Tensor, list]:
+    """The ``SEG`` table of the stage-1 kernel ([S, 5] int64 on ``device``: key, value, first
+    generated key and value address, generated rows) and the tensors it points into (to keep
+    alive until the launch). Built on the host from tensor metadata only: no device read; on
+    CUDA it travels in one asynchronous copy from pinned memory. Every address is 16-byte
+    aligned (the kernel's loads are vectorised on that promise): a tensor that is not is copied."""
+    dtype = stores[0].keys.dtype
+    rows, alive = [], []
+    for s in stores:
+        keys, values = _rows(s.keys, dtype), _rows(s.values, dtype)
+        gen_k = gen_v = None
+        if s.n_gen > 0:
+            gen_k, gen_v = _generated(s.gen_k, s.n_gen, dtype), _generated(s.gen_v, s.n_gen, dtype)
+        alive += [keys, values, gen_k, gen_v]
+        size = keys.element_size()
+        for h in range(s.num_heads):
+            gk = keys.data_ptr() if gen_k is None else gen_k.data_ptr() + h * gen_k.stride(0) * size
+            gv = values.data_ptr() if gen_v is None else gen_v.data_ptr() + h * gen_v.stride(0) * size
+            rows.append((keys.data_ptr(), values.data_ptr(), gk, gv, int(s.n_gen)))
+    table = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    return table, alive
+
+
+def batched_decode_attention(q, stores: list[RaggedKV], scale=None, backend="auto"):
+    """:func:`ragged_decode_attention` of several sequences' stores in one launch.
+
+    Parameters
+    ----------
+    q : Tensor [S, G, d]
+        The decode queries of every store's KV heads, store after store (S = their heads).
+    stores : list of RaggedKV
+        Each sequence's own tensors (nothing is copied into one store): Triton reads them
+        through a per-segment address table; the torch path attends store by store.
+
+    Returns
+    -------
+    Tensor [S, G, d] in q's dtype.
+    """
+    heads = [s.num_heads for s in stores]
+    if q.dim() != 3 or q.shape[0] != sum(heads):
+        raise ValueError(f"q must be [{sum(heads)}, G, d] (the stores' heads), got {tuple(q.shape)}")
+    if not stores:
+        return q.new_empty(q.shape)
+    if resolve_backend(backend, q, stores[0].keys) != "triton":
+        parts = torch.split(q, heads)
+        return torch.cat([ragged_decode_attention_torch(p, *s[:7], scale=scale) for p, s in zip(parts, stores)])
+    for p, s in zip(torch.split(q, heads), stores):
+        _check(p, *s[:7])
+    seg, alive = _segment_table(stores, q.device)
+    keys = alive[0]
+    offsets = torch.cat([s.offsets for s in stores])
+    lengths = torch.cat([s.lengths for s in stores])
+    max_total = max(s.max_length + s.n_gen for s in stores)
+    dummy = keys.new_empty(1, 1, keys.shape[-1])
+    return _run(q, keys, keys, dummy, dummy, offsets, lengths, seg, 0, max_total, scale, None, None)
 
 
 # --------------------------------------------------------------------------- public

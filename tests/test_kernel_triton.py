@@ -71,6 +71,40 @@ def test_ragged_decode_default_heuristics_and_odd_d():
     assert_close(ref, out, 1e-2)
 
 
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_batched_decode_attention(dtype, rtol):
+    """Several sequences' stores (each its own tensors, own generated rows and count) in one
+    launch, against the reference store by store."""
+    d, G = 32, 3
+    shapes = [([5, 0, 33], 0, 8), ([130, 7, 1], 5, 8), ([2, 2, 2], 1, 16)]  # lengths, n_gen, capacity
+    stores, ref_stores = [], []
+    for i, (lens, n_gen, cap) in enumerate(shapes):
+        keys, values, offsets, lengths = _store(lens, d, dtype, seed=i)
+        gen_k = torch.randn(3, cap, d).to(dtype).to(DEV)
+        gen_v = torch.randn(3, cap, d).to(dtype).to(DEV)
+        stores.append(hk.RaggedKV(keys, values, offsets, lengths, gen_k, gen_v, n_gen, max(lens)))
+        ref_stores.append(hk.RaggedKV(*_f32(keys, values), offsets, lengths, *_f32(gen_k, gen_v), n_gen, max(lens)))
+    q = torch.randn(9, G, d).to(dtype).to(DEV)
+    out = hk.batched_decode_attention(q, stores, backend="triton")
+    assert out.dtype == dtype and out.shape == (9, G, d)
+    assert_close(hk.batched_decode_attention(q.float(), ref_stores, backend="torch"), out, rtol, f"{dtype}")
+    assert torch.count_nonzero(out[1]) == 0  # the empty head of the first store: zeros
+
+
+def test_batched_decode_attention_copies_what_is_not_aligned():
+    """Views starting off a 16-byte boundary (odd d, a store sliced at row 1, generated rows
+    whose head stride is not a multiple of 16 bytes) give the reference result."""
+    d = 7
+    stores = []
+    for i in range(2):
+        keys, values, offsets, lengths = _store([3, 9], d, torch.float32, gap=1, seed=i)
+        gen = torch.randn(2, 5, d).to(DEV)
+        stores.append(hk.RaggedKV(keys[1:], values[1:], offsets - 1, lengths, gen, gen.flip(1), 3, 9))
+    q = torch.randn(4, 2, d).to(DEV)
+    assert_close(hk.batched_decode_attention(q, stores, backend="torch"),
+                 hk.batched_decode_attention(q, stores, backend="triton"), 1e-4)
+
+
 def test_ragged_decode_empty_store():
     d, H, G = 16, 3, 2
     keys, values, offsets, lengths = _store([0, 0, 0], d, torch.float32)

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from hybridkv_cli.errors import UsageError
+from hybridkv_kernels import RaggedKV, ragged_decode_attention
 
 
 @dataclass
@@ -60,15 +61,38 @@ class PrefillLayer:
 class LayerKV:
     """A compressed layer as decoding uses it.
 
-    Every method keeps something on the device; host state and host->device traffic are what
-    only offloading methods have, so they default to none.
+    A decode step is :meth:`segments` (the method's own work for this query: retrieval, refresh,
+    page selection) and then one attention over what it returns, so the layers of several
+    sequences, whatever their methods, are attended in one launch
+    (:func:`hybridkv_kernels.batched_decode_attention`). Every method keeps something on the
+    device; host state and host->device traffic are what only offloading methods have, so they
+    default to none.
     """
 
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def segments(self, query: torch.Tensor, scale: float) -> RaggedKV:
+        """Do this step's work for ``query`` [H_kv, G, d]; return the rows the step attends."""
         raise NotImplementedError
 
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention of ``query`` [H_kv, G, d] (one sequence)."""
+        kv = self.segments(query, scale)
+        return ragged_decode_attention(query, *kv[:7], scale=scale, max_length=kv.max_length)
+
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Append one generated token per head (``key``/``value`` [H_kv, 1, d])."""
+        rows_k, rows_v = self.next_rows()
+        rows_k.copy_(key[:, 0])
+        rows_v.copy_(value[:, 0])
+
+    def next_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ([H_kv, d] keys and values) the next generated token goes to, counted as
+        written from now on (a batch fills those of all its members in one copy)."""
+        return self.store.next_rows()
+
+    def reserve(self, rows: int) -> None:
+        """Allocate room for ``rows`` more generated tokens now (a method keeps them in its
+        ``store``, a :class:`~hybridkv_cli.compression.store.RaggedStore`)."""
+        self.store.reserve(rows)
 
     def device_bytes(self) -> int:
         raise NotImplementedError

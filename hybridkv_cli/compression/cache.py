@@ -23,6 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hybridkv_cli.compression.base import LayerKV, Policy, PrefillLayer
 from hybridkv_cli.compression.store import tensor_bytes
+from hybridkv_kernels import batched_decode_attention
 
 ATTENTION_NAME = "hybridkv"
 CACHE_KWARG = "hybridkv_cache"  # the keyword under which the attention call receives its cache
@@ -95,7 +96,28 @@ class PolicyLayer(CacheLayerMixin):
         self.kv, self.seen = None, 0
 
 
-class PolicyCache(Cache):
+class AttendingCache(Cache):
+    """A cache whose attention calls find it: :meth:`update` hands it to the attention call that
+    follows (see the module docstring), and :attr:`attention_clock` times decode attention."""
+
+    def __init__(self, layers: list):
+        super().__init__(layers=layers)
+        self.attention_clock = DeviceClock()  # decode attention incl. retrieval and refresh
+
+    def update(self, key_states, value_states, layer_idx: int, *args, kwargs: dict | None = None, **rest):
+        """Cache the new keys and values; hand this cache to the attention call that follows
+        (``kwargs`` are that call's keyword arguments)."""
+        if kwargs is not None:
+            kwargs[CACHE_KWARG] = self
+        return super().update(key_states, value_states, layer_idx, *args, kwargs=kwargs, **rest)
+
+    @property
+    def attention_seconds(self) -> float:
+        """Decode attention time over the generation (on CUDA read from events, at the end)."""
+        return self.attention_clock.seconds()
+
+
+class PolicyCache(AttendingCache):
     """The KV cache of one generation, owned by a compression policy.
 
     Parameters
@@ -107,14 +129,13 @@ class PolicyCache(Cache):
     """
 
     def __init__(self, policy: Policy, num_layers: int, visual: torch.Tensor):
-        super().__init__(layers=[PolicyLayer() for _ in range(num_layers)])
+        super().__init__([PolicyLayer() for _ in range(num_layers)])
         self.policy = policy
         self.visual = visual
         self.run: dict = {}  # what the policy shares between the layers of this generation
         self.reports: dict[int, object] = {}  # the policy's report of each compressed layer
         self.prefill_peak_bytes = 0
         self.compress_seconds = 0.0  # classification, allocation, pruning, offload: all of compress()
-        self.attention_clock = DeviceClock()  # decode attention incl. retrieval and refresh
 
     def compress_layer(self, index: int, query, key, value, scale: float) -> None:
         """Replace layer ``index``'s full prompt KV by the policy's compressed form."""
@@ -136,18 +157,6 @@ class PolicyCache(Cache):
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, full_bytes + self.device_bytes())
         self.compress_seconds += time.perf_counter() - start
 
-    def update(self, key_states, value_states, layer_idx: int, *args, kwargs: dict | None = None, **rest):
-        """Cache the new keys and values; hand this cache to the attention call that follows
-        (``kwargs`` are that call's keyword arguments)."""
-        if kwargs is not None:
-            kwargs[CACHE_KWARG] = self
-        return super().update(key_states, value_states, layer_idx, *args, kwargs=kwargs, **rest)
-
-    @property
-    def attention_seconds(self) -> float:
-        """Decode attention time over the generation (on CUDA read from events, at the end)."""
-        return self.attention_clock.seconds()
-
     def summary(self) -> dict | None:
         """The policy's head report of this generation (read once, at the end)."""
         return self.policy.summary([self.reports[i] for i in sorted(self.reports)])
@@ -164,6 +173,72 @@ class PolicyCache(Cache):
     def transferred_bytes(self) -> int:
         return sum(kv.transferred_bytes() for kv in self._compressed())
 
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` more generated tokens in every layer (:meth:`RaggedStore.reserve`)."""
+        for kv in self._compressed():
+            kv.reserve(rows)
+
+
+class BatchLayer(CacheLayerMixin):
+    """Layer ``index`` of a batch: the members' own layers, appended to and attended together."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, index: int, members: list[PolicyCache]):
+        super().__init__()
+        self.index, self.members = index, members
+        self.kv = BatchedKV(index, members)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Every member's new token (``[B, H_kv, 1, d]``) into its own store, in one copy."""
+        rows, new = [], []
+        for b, cache in enumerate(self.members):
+            layer = cache.layers[self.index]
+            layer.seen += 1
+            rows += layer.kv.next_rows()
+            new += [key_states[b, :, 0], value_states[b, :, 0]]
+        torch._foreach_copy_(rows, new)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return max((cache.layers[self.index].seen for cache in self.members), default=0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class BatchedKV:
+    """One layer of every member, attended in one launch: each member's step work
+    (:meth:`LayerKV.segments`), then :func:`batched_decode_attention` over all their segments."""
+
+    def __init__(self, index: int, members: list[PolicyCache]):
+        self.index, self.members = index, members
+
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        heads = query.shape[0] // len(self.members)
+        parts = [cache.layers[self.index].kv.segments(q, scale) for cache, q in zip(self.members, query.split(heads))]
+        return batched_decode_attention(query, parts, scale=scale)
+
+
+class BatchCache(AttendingCache):
+    """The cache of a batch being decoded: :attr:`members` are the member generations' own
+    caches, in batch order (a member joins or leaves by being added to or removed from it)."""
+
+    def __init__(self, num_layers: int):
+        self.members: list[PolicyCache] = []
+        super().__init__([BatchLayer(i, self.members) for i in range(num_layers)])
+
+    def device_bytes(self) -> int:
+        return sum(cache.device_bytes() for cache in self.members)
+
 
 def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function inside :func:`policy_attention` (see the module docstring)."""
@@ -175,8 +250,8 @@ def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         cache.compress_layer(module.layer_idx, query, key, value, scaling)
         return out
-    batch, q_heads, q_len, dim = query.shape
-    grouped = query[0, :, 0].reshape(key.shape[1], -1, dim)
+    batch, q_heads, q_len, dim = query.shape  # q_len 1: a decode step (of each member of a batch)
+    grouped = query[:, :, 0].reshape(batch * key.shape[1], -1, dim)
     with cache.attention_clock.span(query.device):
         out = layer.kv.attend(grouped, scaling)
     return out.reshape(batch, q_len, q_heads, dim), None

@@ -34,15 +34,12 @@ class HybridLayerKV(LayerKV):
     def _parts(self):
         return [p for p in (self.dynamic, self.refresher) if p is not None]
 
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def segments(self, query: torch.Tensor, scale: float):
         if self.dynamic is not None:
             self.dynamic.refresh(query, self.store)
         if self.refresher is not None:
             self.refresher.refresh(query, self.store, scale)
-        return self.store.attend(query, scale)
-
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.store.append(key, value)
+        return self.store.segments()
 
     def device_bytes(self) -> int:
         return self.store.device_bytes() + sum(p.device_bytes() for p in self._parts())

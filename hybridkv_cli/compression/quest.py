@@ -19,7 +19,7 @@ from hybridkv_cli.compression.base import Compressed, LayerKV, Policy, PrefillLa
 from hybridkv_cli.compression.landmarks import page_bounds
 from hybridkv_cli.compression.scoring import head_entries
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes
-from hybridkv_kernels import ragged_decode_attention
+from hybridkv_kernels import RaggedKV
 
 
 @dataclass
@@ -53,11 +53,11 @@ class QuestLayerKV(LayerKV):
         """Prompt entries each head reads per step: the selected pages and the last page."""
         return self.pages * self.page_size + self.length - self.kmin.shape[1] * self.page_size
 
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def segments(self, query: torch.Tensor, scale: float) -> RaggedKV:
         self.steps += 1
         if self.pages == self.kmin.shape[1]:  # every page: read the store as it is
             self.max_read = max(self.max_read, self.length)
-            return self.store.attend(query, scale)
+            return self.store.segments()
         heads = query.shape[0]
         device = query.device
         top = page_bounds(query, self.kmin, self.kmax).topk(self.pages, dim=1).indices.sort(dim=1).values
@@ -69,13 +69,8 @@ class QuestLayerKV(LayerKV):
         read = positions.shape[1]
         self.max_read = max(self.max_read, read)
         lengths = torch.full((heads,), read, dtype=torch.long, device=device)
-        return ragged_decode_attention(
-            query, self.store.keys[rows], self.store.values[rows], lengths.cumsum(0) - lengths, lengths,
-            self.store.gen_k, self.store.gen_v, self.store.n_gen, scale=scale, max_length=read,
-        )
-
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.store.append(key, value)
+        return RaggedKV(self.store.keys[rows], self.store.values[rows], lengths.cumsum(0) - lengths, lengths,
+                        self.store.gen_k, self.store.gen_v, self.store.n_gen, read)
 
     def device_bytes(self) -> int:
         return self.store.device_bytes() + tensor_bytes(self.kmin, self.kmax)

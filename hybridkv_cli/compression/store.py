@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv_cli.compression.base import LayerKV
-from hybridkv_kernels import ragged_decode_attention
+from hybridkv_kernels import RaggedKV
 
-# Generated tokens are appended in blocks of this many rows: one reallocation per block, and at
-# most this much slack per head is ever allocated (and counted) beyond what was generated.
+# Rows added when a token arrives with no room left (a generation reserves its rows up front,
+# :meth:`RaggedStore.reserve`; this serves callers that do not).
 GEN_BLOCK = 16
 
 
@@ -98,22 +98,25 @@ class RaggedStore(LayerKV):
     def num_heads(self) -> int:
         return self.offsets.numel()
 
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append one generated token per head (``key``/``value`` [H_kv, 1, d])."""
+    def next_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.n_gen == self.gen_k.shape[1]:
-            grow = key.new_zeros(self.num_heads, GEN_BLOCK, key.shape[-1])
+            self.reserve(GEN_BLOCK)
+        self.n_gen += 1
+        return self.gen_k[:, self.n_gen - 1], self.gen_v[:, self.n_gen - 1]
+
+    def segments(self, query: torch.Tensor | None = None, scale: float | None = None) -> RaggedKV:
+        """Every head's entries and the generated tokens (a store does no work of its own per step)."""
+        return RaggedKV(self.keys, self.values, self.offsets, self.lengths, self.gen_k, self.gen_v, self.n_gen,
+                        self.max_length)
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` more generated tokens, allocated now (a batch reads the generated rows
+        through their address, so they must not move while it decodes)."""
+        need = self.n_gen + rows - self.gen_k.shape[1]
+        if need > 0:
+            grow = self.gen_k.new_zeros(self.num_heads, need, self.gen_k.shape[-1])
             self.gen_k = torch.cat([self.gen_k, grow], dim=1)
             self.gen_v = torch.cat([self.gen_v, grow], dim=1)
-        self.gen_k[:, self.n_gen] = key[:, 0]
-        self.gen_v[:, self.n_gen] = value[:, 0]
-        self.n_gen += 1
-
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Decode attention of ``query`` [H_kv, G, d] over every head's entries and the generated tokens."""
-        return ragged_decode_attention(
-            query, self.keys, self.values, self.offsets, self.lengths,
-            self.gen_k, self.gen_v, self.n_gen, scale=scale, max_length=self.max_length,
-        )
 
     def device_bytes(self) -> int:
         return tensor_bytes(self.keys, self.values, self.offsets, self.lengths, self.gen_k, self.gen_v)
