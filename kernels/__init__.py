@@ -7,6 +7,7 @@ Public ops (each takes ``backend="auto" | "torch" | "triton"``, see :mod:`.dispa
   :func:`batched_decode_attention` the stores of several sequences in one launch.
 - :func:`chunk_topk` -- landmark scores (max over the query group) and top-k chunk ids.
 - :func:`chunk_gather` -- load missing chunks from the host store into device slots.
+- :func:`chunk_retrieve` -- both, for the dynamic heads of several sequences in one pass.
 - :func:`window_scores` -- causal window attention + max-pooled scores (prefill; torch only).
 
 The folder ships as ``hybridkv_kernels`` (setuptools ``package-dir``): there is deliberately
@@ -14,6 +15,7 @@ no top-level ``kernels`` import, which transformers would take for the hub-kerne
 triton is optional: nothing here imports it until a Triton kernel is first used.
 """
 
+from .batched_retrieval import RetrievalPart, chunk_retrieve
 from .chunk_gather import chunk_gather, chunk_gather_torch, chunk_gather_triton, gather_plan
 from .chunk_topk import chunk_scores_torch, chunk_topk, chunk_topk_torch, chunk_topk_triton
 from .decode_attention import (
@@ -31,11 +33,13 @@ from .window_scores import window_scores, window_scores_torch
 __all__ = [
     "BACKENDS",
     "RaggedKV",
+    "RetrievalPart",
     "batched_decode_attention",
     "HAS_TRITON",
     "chunk_gather",
     "chunk_gather_torch",
     "chunk_gather_triton",
+    "chunk_retrieve",
     "chunk_scores_torch",
     "chunk_topk",
     "chunk_topk_torch",

@@ -16,33 +16,49 @@ import triton.language as tl
 
 @triton.jit
 def chunk_gather_kernel(
-    HK, HV, SK, SV, SLOT_BASE, ASSIGN, c, D,
+    HK, HV, SK, SV, SLOT_BASE, ASSIGN, TAB, c, D,
     stride_hkh, stride_hkc, stride_hkt, stride_hvh, stride_hvc, stride_hvt,
     stride_skt, stride_svt, stride_ah,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, TABLE: tl.constexpr = False,
 ):
     """Program (h, s): if ASSIGN[h, s] >= 0 copy host chunk ASSIGN[h, s] of head h (K and V,
-    [c, D]) to store rows SLOT_BASE[h] + s * c ... + c."""
+    [c, D]) to store rows SLOT_BASE[h] + s * c ... + c.
+
+    ``TABLE`` (``chunk_retrieve``): row h's host chunks, store and slot base are its own
+    (addresses in TAB, columns of batched_retrieval.COLUMNS), with its own chunk length c; every
+    tensor is contiguous, so the strides follow from c and D."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     cid = tl.load(ASSIGN + h * stride_ah + s)
+    head = h
+    if TABLE:
+        ptr = HK.dtype.element_ty
+        HK = tl.load(TAB + h * 12 + 6).to(tl.pointer_type(ptr))
+        HV = tl.load(TAB + h * 12 + 7).to(tl.pointer_type(ptr))
+        SK = tl.load(TAB + h * 12 + 8).to(tl.pointer_type(ptr))
+        SV = tl.load(TAB + h * 12 + 9).to(tl.pointer_type(ptr))
+        SLOT_BASE = tl.load(TAB + h * 12 + 10).to(tl.pointer_type(tl.int64))
+        c = tl.load(TAB + h * 12 + 11).to(tl.int32)
+        stride_hkc = c * D
+        stride_hvc = c * D
+        head = 0
     if cid >= 0:
         off_t = tl.arange(0, BLOCK_T)
         off_d = tl.arange(0, BLOCK_D)
         mask = (off_t[:, None] < c) & (off_d[None, :] < D)
-        rows = tl.load(SLOT_BASE + h).to(tl.int64) + s.to(tl.int64) * c + off_t
-        k = tl.load(HK + h.to(tl.int64) * stride_hkh + cid * stride_hkc
+        rows = tl.load(SLOT_BASE + head).to(tl.int64) + s.to(tl.int64) * c + off_t
+        k = tl.load(HK + head.to(tl.int64) * stride_hkh + cid * stride_hkc
                     + off_t[:, None] * stride_hkt + off_d[None, :], mask=mask)
         tl.store(SK + rows[:, None] * stride_skt + off_d[None, :], k, mask=mask)
-        v = tl.load(HV + h.to(tl.int64) * stride_hvh + cid * stride_hvc
+        v = tl.load(HV + head.to(tl.int64) * stride_hvh + cid * stride_hvc
                     + off_t[:, None] * stride_hvt + off_d[None, :], mask=mask)
         tl.store(SV + rows[:, None] * stride_svt + off_d[None, :], v, mask=mask)
 
 
 @triton.jit
 def gather_plan_kernel(
-    RESIDENT, WANT, ASSIGN, MOVED, n, chunk_bytes, stride_rh, stride_wh, stride_ah,
-    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+    RESIDENT, WANT, ASSIGN, MOVED, TAB, n, chunk_bytes, stride_rh, stride_wh, stride_ah,
+    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, TABLE: tl.constexpr = False,
 ):
     """Program h: the plan of ``gather_plan`` for head h, written to ASSIGN[h]; RESIDENT[h]
     updated to what the slots will hold; MOVED += the bytes the gather will copy.
@@ -53,9 +69,16 @@ def gather_plan_kernel(
     first to find the hits, then, with the free slots' ranks known, to pair them.
     """
     h = tl.program_id(0)
+    head = h
+    if TABLE:  # row h's own slots, resident ids and byte counter (``chunk_bytes``: per element of D)
+        RESIDENT = tl.load(TAB + h * 12 + 4).to(tl.pointer_type(tl.int64))
+        MOVED = tl.load(TAB + h * 12 + 5).to(tl.pointer_type(tl.int64))
+        n = tl.load(TAB + h * 12 + 3).to(tl.int32)
+        chunk_bytes = chunk_bytes * tl.load(TAB + h * 12 + 11)
+        head = 0
     slots = tl.arange(0, BLOCK_N)
     in_n = slots < n
-    res = tl.load(RESIDENT + h * stride_rh + slots, mask=in_n, other=-2)  # -1: empty, -2: padding
+    res = tl.load(RESIDENT + head * stride_rh + slots, mask=in_n, other=-2)  # -1: empty, -2: padding
     hit = tl.zeros([BLOCK_N], dtype=tl.int32)
     for j0 in range(0, n, BLOCK_J):
         js = j0 + tl.arange(0, BLOCK_J)
@@ -75,5 +98,5 @@ def gather_plan_kernel(
         assign = tl.maximum(assign, tl.max(tl.where(pair, want[None, :], -1), axis=1))
         missing_before += tl.sum(miss.to(tl.int32), axis=0)
     tl.store(ASSIGN + h * stride_ah + slots, assign, mask=in_n)
-    tl.store(RESIDENT + h * stride_rh + slots, tl.where(assign >= 0, assign, res), mask=in_n)
+    tl.store(RESIDENT + head * stride_rh + slots, tl.where(assign >= 0, assign, res), mask=in_n)
     tl.atomic_add(MOVED, tl.sum((assign >= 0).to(tl.int64), axis=0) * chunk_bytes)

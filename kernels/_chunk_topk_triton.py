@@ -15,12 +15,15 @@ import triton
 import triton.language as tl
 
 
+# TABLE mode (chunk_retrieve): the heads are rows of several sequences' layers, each with its
+# own tensors; TAB[h] holds the row's int64s (see batched_retrieval.py, ``COLUMNS``): the address
+# of its landmarks and scales (the row's own start), its chunk count C and slot count K, ... .
 @triton.jit
 def chunk_scores_kernel(
-    Q, LM, LM_SCALE, SCORES, G, C, D,
+    Q, LM, LM_SCALE, SCORES, TAB, G, C, D,
     stride_qh, stride_qg, stride_lh, stride_lc, stride_sch, stride_sh,
     HAS_SCALE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, TABLE: tl.constexpr = False,
 ):
     """SCORES[h, c] = max_g q[h, g] . landmark[h, c] (x scale[h, c]), in fp32.
 
@@ -29,6 +32,12 @@ def chunk_scores_kernel(
     """
     h = tl.program_id(0)
     cb = tl.program_id(1)
+    row = h
+    if TABLE:
+        LM = tl.load(TAB + h * 12).to(tl.pointer_type(LM.dtype.element_ty))
+        LM_SCALE = tl.load(TAB + h * 12 + 1).to(tl.pointer_type(tl.float32))
+        C = tl.load(TAB + h * 12 + 2).to(tl.int32)
+        row = 0  # the table's addresses are the row's own
     off_g = tl.arange(0, BLOCK_G)
     off_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     off_d = tl.arange(0, BLOCK_D)
@@ -37,11 +46,11 @@ def chunk_scores_kernel(
     mask_d = off_d < D
     q = tl.load(Q + h * stride_qh + off_g[:, None] * stride_qg + off_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    lm = tl.load(LM + h * stride_lh + off_c[:, None] * stride_lc + off_d[None, :],
+    lm = tl.load(LM + row * stride_lh + off_c[:, None] * stride_lc + off_d[None, :],
                  mask=mask_c[:, None] & mask_d[None, :], other=0).to(tl.float32)
     s = tl.dot(q, tl.trans(lm), input_precision="ieee")  # [BLOCK_G, BLOCK_C]
     if HAS_SCALE:
-        sc = tl.load(LM_SCALE + h * stride_sch + off_c, mask=mask_c, other=0.0).to(tl.float32)
+        sc = tl.load(LM_SCALE + row * stride_sch + off_c, mask=mask_c, other=0.0).to(tl.float32)
         s = s * sc[None, :]  # before the max: a negative scale would flip it
     s = tl.where(mask_g[:, None], s, float("-inf"))
     best = tl.max(s, 0)
@@ -83,12 +92,16 @@ def _radix_threshold(base, C, K, BLOCK: tl.constexpr):
 
 @triton.jit
 def topk_select_kernel(
-    SCORES, OUT, C, K,
+    SCORES, OUT, TAB, C, K,
     stride_sh, stride_oh,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, TABLE: tl.constexpr = False,
 ):
-    """One program per head: OUT[h, :K] = ids of the K largest SCORES[h, :C], ascending."""
+    """One program per head: OUT[h, :K] = ids of the K largest SCORES[h, :C], ascending
+    (``TABLE``: the row's own C and K, from TAB)."""
     h = tl.program_id(0)
+    if TABLE:
+        C = tl.load(TAB + h * 12 + 2).to(tl.int32)
+        K = tl.load(TAB + h * 12 + 3).to(tl.int32)
     base = SCORES + h * stride_sh
     offs = tl.arange(0, BLOCK)
 

@@ -177,14 +177,14 @@ def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want):
         want = want.to(device=dev, dtype=torch.int64).contiguous()
         assign = torch.empty_like(resident_in)
         mod.gather_plan_kernel[(H,)](
-            resident_in, want, assign, moved, n, c * d * 2 * host_k.element_size(),
+            resident_in, want, assign, moved, base, n, c * d * 2 * host_k.element_size(),
             resident_in.stride(0), want.stride(0), assign.stride(0),
             BLOCK_N=next_power_of_2(n), BLOCK_J=min(64, next_power_of_2(n)),
         )
         if resident_in is not resident:
             resident.copy_(resident_in)
         mod.chunk_gather_kernel[(H, n)](
-            host_k, host_v, store_k, store_v, base, assign, c, d,
+            host_k, host_v, store_k, store_v, base, assign, base, c, d,
             host_k.stride(0), host_k.stride(1), host_k.stride(2),
             host_v.stride(0), host_v.stride(1), host_v.stride(2),
             store_k.stride(0), store_v.stride(0), assign.stride(0),

@@ -107,7 +107,7 @@ def _launch(q, landmarks, k, landmark_scale=None, *, block_c=None, block_select=
     block_c = max(16, next_power_of_2(block_c or 64))
     BLOCK_D = max(16, next_power_of_2(d))
     mod.chunk_scores_kernel[(H, cdiv(C, block_c))](
-        q, landmarks, sc, scores, G, C, d,
+        q, landmarks, sc, scores, ids, G, C, d,
         q.stride(0), q.stride(1), landmarks.stride(0), landmarks.stride(1), sc.stride(0),
         scores.stride(0),
         HAS_SCALE=has_scale, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_C=block_c,
@@ -116,7 +116,7 @@ def _launch(q, landmarks, k, landmark_scale=None, *, block_c=None, block_select=
     if kk > 0:
         block_s = next_power_of_2(block_select or min(1024, C))
         mod.topk_select_kernel[(H,)](
-            scores, ids, C, kk, scores.stride(0), ids.stride(0),
+            scores, ids, ids, C, kk, scores.stride(0), ids.stride(0),
             BLOCK=block_s, num_warps=4 if block_s <= 1024 else 8,
         )
     return (ids, scores) if return_scores else ids

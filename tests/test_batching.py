@@ -72,6 +72,19 @@ def test_batched_tokens_are_single_run_tokens(vlm, stops, method, budget):
     assert max(o.batch["size_max"] for o in got.values()) == 3
 
 
+def test_retrieval_of_every_members_dynamic_heads(vlm):
+    """Every head dynamic (theta 1): the members' chunk retrieval runs as one pass per layer and
+    each input moves the bytes, and gets the tokens, of its single run."""
+    loaded, prompts = vlm
+    policy = make_policy("hybridkv", budget=0.2, theta=1.0)
+    alone = [generate(loaded.model, p, policy, max_new_tokens=NEW) for p in prompts]
+    assert all(g.cache.summary()["dynamic"] > 0 for g in alone)
+    got = batched(loaded.model, prompts, policy)
+    for i, g in enumerate(alone):
+        assert got[i].generation.tokens == g.tokens
+        assert got[i].generation.cache.transferred_bytes() == g.cache.transferred_bytes() > 0
+
+
 def test_deferred_question_batched(vlm):
     loaded, prompts = vlm
     policy = make_policy("hybridkv", budget=0.1)

@@ -238,3 +238,49 @@ def test_fused_gather_plan_pairs_slots_like_the_torch_plan(n):
 @pytest.mark.skipif(not INTERPRET, reason="interpreter only")
 def test_auto_uses_interpreter_on_cpu():
     assert hk.resolve_backend("auto", torch.zeros(1)) == "triton"
+
+
+# --------------------------------------------------------------------------- retrieval of many sequences
+
+
+def _retrieval_part(heads, chunks, chunk, slots, d, dtype, seed):
+    """One sequence's dynamic heads: int8 landmarks, host chunks, a store with its slots after
+    some other rows, half the slots already holding a chunk."""
+    g = torch.Generator().manual_seed(seed)
+    host_k = torch.randn(heads, chunks, chunk, d, generator=g).to(dtype)
+    host_v = torch.randn(heads, chunks, chunk, d, generator=g).to(dtype)
+    if DEV.type == "cuda":
+        host_k, host_v = host_k.pin_memory(), host_v.pin_memory()
+    codes = torch.randint(-127, 128, (heads, chunks, d), generator=g, dtype=torch.int8).to(DEV)
+    scale = (torch.rand(heads, chunks, generator=g) + 0.5).to(DEV)
+    rows = slots * chunk
+    slot_base = (torch.arange(heads) * (rows + 3) + 2).to(DEV)
+    store_k = torch.zeros(heads * (rows + 3) + 2, d, dtype=dtype, device=DEV)
+    resident = torch.stack([torch.randperm(chunks, generator=g)[:slots] for _ in range(heads)])
+    resident[:, slots // 2:] = -1
+    return hk.RetrievalPart(codes, scale, host_k, host_v, store_k, store_k.clone(), slot_base, resident.to(DEV),
+                            torch.zeros((), dtype=torch.int64, device=DEV))
+
+
+def _copy(part):
+    return hk.RetrievalPart(*[t.clone() if t.device == DEV else t for t in part])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_retrieve_is_each_part_alone(dtype):
+    """Three sequences with different head, chunk and slot counts and chunk lengths, in one pass:
+    exactly the slots, resident ids and byte counts of chunk_topk + chunk_gather part by part."""
+    d, G = 16, 3
+    parts = [_retrieval_part(2, 9, 8, 4, d, dtype, 0), _retrieval_part(1, 40, 16, 6, d, dtype, 1),
+             _retrieval_part(3, 5, 8, 2, d, dtype, 2)]
+    alone = [_copy(p) for p in parts]
+    q = torch.randn(6, G, d).to(dtype).to(DEV)
+    for step in range(2):  # the second step keeps the hits of the first
+        hk.chunk_retrieve(q * (step + 1), parts, backend="triton")
+        for p, rows in zip(alone, torch.split(q * (step + 1), [2, 1, 3])):
+            want = hk.chunk_topk_triton(rows, p.landmarks, p.resident.shape[1], p.landmark_scale)
+            p.moved.add_(hk.chunk_gather_triton(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident,
+                                                want))
+        for a, b in zip(parts, alone):
+            assert torch.equal(a.resident, b.resident) and int(a.moved) == int(b.moved) > 0
+            assert torch.equal(a.store_k, b.store_k) and torch.equal(a.store_v, b.store_v)

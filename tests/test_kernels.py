@@ -351,16 +351,20 @@ def test_kernels_compile_for_sm90_without_spills():
         stride_og=128, stride_lh=448, stride_ls=7, stride_outh=896, stride_outg=128),
         dict(BLOCK_S=64, BLOCK_D=128))
     top = load_triton_module("_chunk_topk_triton")
-    for lm_dt, has_scale in ((torch.int8, True), (bf16, False)):
-        _compile_sm90(top.chunk_scores_kernel, dict(
-            Q=bf16, LM=lm_dt, LM_SCALE=f32, SCORES=f32, G=7, C=8188, D=128, stride_qh=896,
-            stride_qg=128, stride_lh=8188 * 128, stride_lc=128, stride_sch=8188, stride_sh=8188),
-            dict(HAS_SCALE=has_scale, BLOCK_G=16, BLOCK_C=64, BLOCK_D=128))
-    _compile_sm90(top.topk_select_kernel, dict(SCORES=f32, OUT=i64, C=8188, K=512,
-                                               stride_sh=8188, stride_oh=512), dict(BLOCK=1024))
     gat = load_triton_module("_chunk_gather_triton")
-    _compile_sm90(gat.chunk_gather_kernel, dict(
-        HK=bf16, HV=bf16, SK=bf16, SV=bf16, SLOT_BASE=i64, ASSIGN=i64, c=8, D=128,
-        stride_hkh=8188 * 1024, stride_hkc=1024, stride_hkt=128, stride_hvh=8188 * 1024,
-        stride_hvc=1024, stride_hvt=128, stride_skt=128, stride_svt=128, stride_ah=512),
-        dict(BLOCK_T=8, BLOCK_D=128))
+    for table in (False, True):  # table: the rows of several sequences (chunk_retrieve)
+        for lm_dt, has_scale in ((torch.int8, True), (bf16, False)):
+            _compile_sm90(top.chunk_scores_kernel, dict(
+                Q=bf16, LM=lm_dt, LM_SCALE=f32, SCORES=f32, TAB=i64, G=7, C=8188, D=128, stride_qh=896,
+                stride_qg=128, stride_lh=8188 * 128, stride_lc=128, stride_sch=8188, stride_sh=8188),
+                dict(HAS_SCALE=has_scale, BLOCK_G=16, BLOCK_C=64, BLOCK_D=128, TABLE=table))
+        _compile_sm90(top.topk_select_kernel, dict(SCORES=f32, OUT=i64, TAB=i64, C=8188, K=512,
+                                                   stride_sh=8188, stride_oh=512), dict(BLOCK=1024, TABLE=table))
+        _compile_sm90(gat.gather_plan_kernel, dict(
+            RESIDENT=i64, WANT=i64, ASSIGN=i64, MOVED=i64, TAB=i64, n=512, chunk_bytes=4096, stride_rh=512,
+            stride_wh=512, stride_ah=512), dict(BLOCK_N=512, BLOCK_J=64, TABLE=table))
+        _compile_sm90(gat.chunk_gather_kernel, dict(
+            HK=bf16, HV=bf16, SK=bf16, SV=bf16, SLOT_BASE=i64, ASSIGN=i64, TAB=i64, c=8, D=128,
+            stride_hkh=8188 * 1024, stride_hkc=1024, stride_hkt=128, stride_hvh=8188 * 1024,
+            stride_hvc=1024, stride_hvt=128, stride_skt=128, stride_svt=128, stride_ah=512),
+            dict(BLOCK_T=8, BLOCK_D=128, TABLE=table))

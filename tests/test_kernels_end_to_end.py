@@ -22,8 +22,21 @@ demo = build_demo()
 media = load_media(["sample_media/images/red_circle.png", "sample_media/images/blue_square.jpg"], max_pixels=56 * 56)
 prompt = build_prompt(demo.processor, media, "Which image shows a square?")
 out = {"backend": resolve_backend("auto", torch.zeros(1))}
-for method, options in (("full", {}), ("hybridkv", {"budget": 0.3, "window": 8})):
-    out[method] = generate(demo.model, prompt, make_policy(method, **options), max_new_tokens=5).tokens
+RETRIEVING = {"budget": 0.5, "window": 4, "theta": 1.0, "chunk_size": 4}  # every head dynamic, 5 chunks each
+for name, method, options in (("full", "full", {}), ("hybridkv", "hybridkv", {"budget": 0.3, "window": 8}),
+                              ("retrieving", "hybridkv", RETRIEVING)):
+    run = generate(demo.model, prompt, make_policy(method, **options), max_new_tokens=5)
+    out[name], out[name + "_dynamic_heads"] = run.tokens, (run.cache.summary() or {}).get("dynamic")
+# two prompts decoded together: one attention launch and one retrieval pass per layer for both
+from types import SimpleNamespace
+from hybridkv_cli.batching import BatchLimits, decode_batched, prefill
+other = build_prompt(demo.processor, load_media(["sample_media/images/green_triangle.webp"], max_pixels=56 * 56),
+                     "What shape is it?")
+policy = make_policy("hybridkv", **RETRIEVING)
+jobs = [(i, lambda p=p: SimpleNamespace(prompt=p)) for i, p in enumerate([prompt, other])]
+done = decode_batched(lambda: demo.model, jobs, lambda job: prefill(demo.model, job.prompt, policy),
+                      max_new_tokens=5, limits=BatchLimits(batch_size=2))
+out["batched"] = [o.generation.tokens for o in sorted(done, key=lambda o: o.tag)]
 print(json.dumps(out))
 """
 
@@ -44,3 +57,5 @@ def test_tokens_identical_with_triton_kernels_and_torch_references():
     assert reference["backend"] == "torch" and kernels["backend"] == "triton"
     assert kernels["full"] == reference["full"]
     assert kernels["hybridkv"] == reference["hybridkv"]
+    assert kernels["retrieving"] == reference["retrieving"] and reference["retrieving_dynamic_heads"] == 8
+    assert kernels["batched"] == reference["batched"] and reference["batched"][0] == reference["retrieving"]

@@ -61,13 +61,17 @@ class PrefillLayer:
 class LayerKV:
     """A compressed layer as decoding uses it.
 
-    A decode step is :meth:`segments` (the method's own work for this query: retrieval, refresh,
-    page selection) and then one attention over what it returns, so the layers of several
+    A decode step is the chunk retrieval of :attr:`dynamic` heads, :meth:`segments` (the method's
+    own work for this query: refresh, page selection) and then one attention over what it returns, so the layers of several
     sequences, whatever their methods, are attended in one launch
     (:func:`hybridkv_kernels.batched_decode_attention`). Every method keeps something on the
     device; host state and host->device traffic are what only offloading methods have, so they
     default to none.
     """
+
+    #: Chunk retrieval of the layer's dynamic heads (a ``DynamicHeads``; None: the method has
+    #: none), run before :meth:`segments`: a batch runs all its members' in one pass.
+    dynamic = None
 
     def segments(self, query: torch.Tensor, scale: float) -> RaggedKV:
         """Do this step's work for ``query`` [H_kv, G, d]; return the rows the step attends."""
@@ -75,6 +79,8 @@ class LayerKV:
 
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode attention of ``query`` [H_kv, G, d] (one sequence)."""
+        if self.dynamic is not None:
+            self.dynamic.refresh(query, self.store)
         kv = self.segments(query, scale)
         return ragged_decode_attention(query, *kv[:7], scale=scale, max_length=kv.max_length)
 

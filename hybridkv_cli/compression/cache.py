@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hybridkv_cli.compression.base import LayerKV, Policy, PrefillLayer
+from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_cli.compression.store import tensor_bytes
 from hybridkv_kernels import batched_decode_attention
 
@@ -216,15 +217,18 @@ class BatchLayer(CacheLayerMixin):
 
 
 class BatchedKV:
-    """One layer of every member, attended in one launch: each member's step work
-    (:meth:`LayerKV.segments`), then :func:`batched_decode_attention` over all their segments."""
+    """One layer of every member: the chunk retrieval of all members' dynamic heads in one pass
+    (:meth:`DynamicHeads.refresh_all`), each member's own step work (:meth:`LayerKV.segments`),
+    then one :func:`batched_decode_attention` over all their segments."""
 
     def __init__(self, index: int, members: list[PolicyCache]):
         self.index, self.members = index, members
 
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        heads = query.shape[0] // len(self.members)
-        parts = [cache.layers[self.index].kv.segments(q, scale) for cache, q in zip(self.members, query.split(heads))]
+        layers = [cache.layers[self.index].kv for cache in self.members]
+        queries = query.split(query.shape[0] // len(layers))
+        DynamicHeads.refresh_all([(kv.dynamic, q, kv.store) for kv, q in zip(layers, queries) if kv.dynamic is not None])
+        parts = [kv.segments(q, scale) for kv, q in zip(layers, queries)]
         return batched_decode_attention(query, parts, scale=scale)
 
 

@@ -35,8 +35,6 @@ class HybridLayerKV(LayerKV):
         return [p for p in (self.dynamic, self.refresher) if p is not None]
 
     def segments(self, query: torch.Tensor, scale: float):
-        if self.dynamic is not None:
-            self.dynamic.refresh(query, self.store)
         if self.refresher is not None:
             self.refresher.refresh(query, self.store, scale)
         return self.store.segments()

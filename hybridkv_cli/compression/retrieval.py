@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv_cli.compression.landmarks import LANDMARKS
+from hybridkv_cli.compression.landmarks import LANDMARKS, MeanLandmarks
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
-from hybridkv_kernels import chunk_gather
+from hybridkv_kernels import RetrievalPart, chunk_gather, chunk_retrieve
 
 
 @dataclass
@@ -81,6 +81,22 @@ class DynamicHeads:
             self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want
         )
         self.steps += 1
+
+    @staticmethod
+    def refresh_all(items: list[tuple["DynamicHeads", torch.Tensor, RaggedStore]]) -> None:
+        """:meth:`refresh` of several sequences' dynamic heads (``(heads, query, store)`` of one
+        layer each): those ranked by mean landmarks in one pass
+        (:func:`~hybridkv_kernels.chunk_retrieve`), the others one by one."""
+        one_pass = [(d, q, s) for d, q, s in items if d.resident.shape[1] and isinstance(d.landmarks, MeanLandmarks)]
+        if one_pass:
+            chunk_retrieve(torch.cat([q[d.heads] for d, q, _ in one_pass]),
+                           [RetrievalPart(d.landmarks.codes, d.landmarks.scale, d.host_k, d.host_v, s.keys, s.values,
+                                          d.slot_base, d.resident, d.transferred) for d, _, s in one_pass])
+            for d, _, _ in one_pass:
+                d.steps += 1
+        for d, q, s in items:
+            if all(d is not other for other, _, _ in one_pass):
+                d.refresh(q, s)
 
     def device_bytes(self) -> int:
         return self.landmarks.device_bytes() + tensor_bytes(self.heads, self.slot_base, self.resident)

@@ -1,0 +1,124 @@
+"""Chunk retrieval for the dynamic heads of several sequences in one pass.
+
+Each part is one sequence's layer: its dynamic heads' landmarks, offloaded chunks, store, slots
+and byte counter, each its own tensors. :func:`chunk_retrieve` does for every part what
+``chunk_topk`` + ``chunk_gather`` do for one (the top ``n`` chunks of each head for its query,
+loaded into the head's ``n`` slots, hits kept), the parts' chunk counts, slot counts and chunk
+lengths all differing. The Triton path is four launches for all parts (scores, top-k, plan,
+copy), each kernel the single-sequence one reading its rows through a table of addresses
+(``TABLE`` mode); the torch path runs the parts one by one.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .chunk_gather import chunk_gather
+from .chunk_topk import chunk_topk
+from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
+
+__all__ = ["RetrievalPart", "chunk_retrieve"]
+
+#: The int64 columns of a row of the table, in kernel order.
+COLUMNS = ("landmarks", "landmark_scale", "chunks", "slots", "resident", "moved", "host_k", "host_v", "store_k",
+           "store_v", "slot_base", "chunk")
+
+
+class RetrievalPart(NamedTuple):
+    """One sequence's dynamic heads in a layer (the arguments of ``chunk_topk`` and ``chunk_gather``).
+
+    landmarks [H, C, d] int8 with landmark_scale [H, C]; host_k, host_v [H, C, c, d]; store_k,
+    store_v [T, d]; slot_base [H]; resident [H, n] (updated in place); moved: 0-d int64, the
+    part's byte counter (added to in place).
+    """
+
+    landmarks: torch.Tensor
+    landmark_scale: torch.Tensor
+    host_k: torch.Tensor
+    host_v: torch.Tensor
+    store_k: torch.Tensor
+    store_v: torch.Tensor
+    slot_base: torch.Tensor
+    resident: torch.Tensor
+    moved: torch.Tensor
+
+
+def chunk_retrieve(q: torch.Tensor, parts: list[RetrievalPart], backend: str = "auto") -> None:
+    """Load every part's wanted chunks for ``q`` (its rows part after part, [sum H, G, d]).
+
+    ``backend`` resolves as ``chunk_gather``'s does (on CUDA the torch path until the zero-copy
+    gather is validated on a GPU); the result is the parts' slots, resident ids and byte counters.
+    """
+    if not parts:
+        return
+    if resolve_backend(backend, q, parts[0].store_k, op="chunk_gather") != "triton" or len(parts) == 1:
+        for p, rows in zip(parts, torch.split(q, [p.resident.shape[0] for p in parts])):
+            _one(rows, p, backend)
+        return
+    _launch(q, parts)
+
+
+def _one(q: torch.Tensor, p: RetrievalPart, backend: str) -> None:
+    want = chunk_topk(q, p.landmarks, p.resident.shape[1], landmark_scale=p.landmark_scale, backend=backend)
+    p.moved.add_(chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want,
+                              backend=backend))
+
+
+def _table(parts: list[RetrievalPart], device: torch.device) -> torch.Tensor:
+    rows = []
+    for p in parts:
+        for t in (p.landmarks, p.landmark_scale, p.host_k, p.host_v, p.resident, p.slot_base):
+            if not t.is_contiguous():
+                raise ValueError("chunk_retrieve needs contiguous tensors")
+        if p.store_k.is_cuda and not (p.host_k.is_pinned() and p.host_v.is_pinned()):
+            raise ValueError("chunk_retrieve reads host chunks in place: they must be pinned")
+        heads, chunks, chunk, _ = p.host_k.shape
+        for h in range(heads):
+            rows.append((p.landmarks[h].data_ptr(), p.landmark_scale[h].data_ptr(), chunks, p.resident.shape[1],
+                         p.resident[h].data_ptr(), p.moved.data_ptr(), p.host_k[h].data_ptr(), p.host_v[h].data_ptr(),
+                         p.store_k.data_ptr(), p.store_v.data_ptr(), p.slot_base[h:].data_ptr(), chunk))
+    table = torch.tensor(rows, dtype=torch.int64)
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+
+
+def _launch(q: torch.Tensor, parts: list[RetrievalPart]) -> None:
+    dev = q.device
+    mod_top, mod_gat = load_triton_module("_chunk_topk_triton"), load_triton_module("_chunk_gather_triton")
+    rows, group, d = q.shape
+    first = parts[0]
+    if any(p.host_k.dtype != first.host_k.dtype or p.store_k.dtype != first.host_k.dtype
+           or p.landmarks.dtype != torch.int8 or p.landmark_scale.dtype != torch.float32 for p in parts):
+        raise ValueError("chunk_retrieve needs int8 landmarks with fp32 scales and one dtype for every host chunk "
+                         "and store")
+    table = _table(parts, dev)
+    c_max = max(p.host_k.shape[1] for p in parts)
+    n_max = max(p.resident.shape[1] for p in parts)
+    chunk_max = max(p.host_k.shape[2] for p in parts)
+    q = q if q.is_contiguous() else q.contiguous()
+    scores = torch.empty(rows, c_max, dtype=torch.float32, device=dev)
+    want = torch.full((rows, n_max), -1, dtype=torch.int64, device=dev)
+    assign = torch.full((rows, n_max), -1, dtype=torch.int64, device=dev)
+    block_c, block_d = 64, max(16, next_power_of_2(d))
+    mod_top.chunk_scores_kernel[(rows, cdiv(c_max, block_c))](
+        q, first.landmarks, first.landmark_scale, scores, table, group, c_max, d,
+        q.stride(0), q.stride(1), 0, d, 0, scores.stride(0),
+        HAS_SCALE=True, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_C=block_c, BLOCK_D=block_d, TABLE=True,
+        num_warps=4,
+    )
+    block_s = next_power_of_2(min(1024, c_max))
+    mod_top.topk_select_kernel[(rows,)](
+        scores, want, table, c_max, n_max, scores.stride(0), want.stride(0),
+        BLOCK=block_s, TABLE=True, num_warps=4 if block_s <= 1024 else 8,
+    )
+    mod_gat.gather_plan_kernel[(rows,)](
+        first.resident, want, assign, first.moved, table, n_max, d * 2 * first.host_k.element_size(),
+        0, want.stride(0), assign.stride(0),
+        BLOCK_N=next_power_of_2(n_max), BLOCK_J=min(64, next_power_of_2(n_max)), TABLE=True,
+    )
+    mod_gat.chunk_gather_kernel[(rows, n_max)](
+        first.host_k, first.host_v, first.store_k, first.store_v, first.slot_base, assign, table, chunk_max, d,
+        d, d, d, d, d, d, d, d, assign.stride(0),  # (per row from c and D in TABLE mode)
+        BLOCK_T=next_power_of_2(chunk_max), BLOCK_D=block_d, TABLE=True, num_warps=4,
+    )
