@@ -9,6 +9,7 @@ The runs go through the library's batch decoder (``hybridkv_cli.batching``): adm
 measured device KV of each member under ``--cap`` bytes, continuous batching as members finish.
 
     python -m benchmarks.throughput --lengths 4096 16384 --out docs/throughput.json --plot docs/throughput.png
+    python -m benchmarks.throughput --device cuda --dtype bfloat16 --layers 28 --intermediate 18944 ...  # a GPU
 
 Per (length, method, budget, cap): the most concurrent sequences, aggregate decode tokens/s
 (decode tokens over the summed batch-step times), the device KV per sequence (measured), and
@@ -49,8 +50,9 @@ def record_prefill(model, prompt):
     """(first token, recorded layers) of one full-cache prefill of ``prompt``."""
     layers = model.config.get_text_config().num_hidden_layers
     cache = RecordingCache(make_policy("full", budget=1.0), layers, prompt.visual)
+    inputs = {k: v.to(model.device) for k, v in prompt.inputs.items()}
     with torch.inference_mode(), policy_attention(model):
-        out = model(**prompt.inputs, cache=cache, use_cache=True)
+        out = model(**inputs, cache=cache, use_cache=True)
     return int(out.logits[0, -1].argmax()), cache.recorded
 
 
@@ -107,11 +109,13 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
 
-    model = build_model(args.layers, args.intermediate)
+    model = build_model(args.layers, args.intermediate, device=args.device, dtype=getattr(torch, args.dtype))
     vocab = model.config.get_text_config().vocab_size
     rows = []
     full_bytes = None
@@ -140,7 +144,9 @@ def main(argv=None) -> None:
                     print(json.dumps(row), flush=True)
             del prefix
         del recorded
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    gpu = torch.cuda.get_device_name() if model.device.type == "cuda" else None
+    meta = {"machine": gpu or platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "dtype": args.dtype,
             "torch": torch.__version__, "layers": args.layers, "intermediate": args.intermediate,
             "new_tokens": args.new_tokens, "sequences": args.sequences, "full_bytes_longest": full_bytes}
     if args.out:
@@ -148,6 +154,15 @@ def main(argv=None) -> None:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
+
+
+def replot(argv=None) -> None:
+    """``python -c "from benchmarks.throughput import replot; replot()" docs/throughput.json docs/throughput.png``"""
+    import sys
+
+    src, dst = (argv or sys.argv[1:])[:2]
+    with open(src) as f:
+        plot(json.load(f)["rows"], dst)
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -162,10 +177,13 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), squeeze=False)
     for ax, length in zip(axes[0], lengths):
         runs = sorted({(r["method"], r["budget"]) for r in capped if r["prompt_tokens"] == length})
+        methods = sorted({m for m, _ in runs})
+        colours = plt.get_cmap("tab10")
         for method, budget in runs:
             pts = sorted((r["cap_bytes"] / 2**20, r["tokens_per_s"]) for r in capped
                          if r["prompt_tokens"] == length and (r["method"], r["budget"]) == (method, budget))
-            ax.plot(*zip(*pts), marker="o", label=f"{method} {budget:g}",
+            ax.plot(*zip(*pts), marker="o", label=f"{method} {budget:g}", color=colours(methods.index(method) % 10),
+                    linestyle="-" if budget <= min(b for m, b in runs if m == method) else "--",
                     linewidth=2.5 if method in ("full", "hybridkv") else 1)
         ax.set_title(f"{length} prompt tokens")
         ax.set_xlabel("device KV cap (MiB)")

@@ -71,16 +71,10 @@ class Meter:
         """Decode ``inputs`` (the whole prompt; ``generate`` feeds what ``cache`` has not seen)
         with transformers' greedy ``generate``, every token timed. ``after_prefill``: the device
         bytes after the compressed prefill; None: read from the cache when the first token
-        arrives, before it is appended (only then, so no other read sits in a timed step).
-        Then the rows of every later token are allocated at once (none moves while decoding)."""
+        arrives, before it is appended (only then, so no other read sits in a timed step)."""
         measured: list[int] = []
-
-        def first_token():
-            if after_prefill is None:
-                measured.append(cache.device_bytes())
-            cache.reserve(max_new_tokens - 1)  # the last token chosen is never fed
-
-        clock = StepClock(self.device, on_first_token=first_token)
+        read = None if after_prefill is not None else lambda: measured.append(cache.device_bytes())
+        clock = StepClock(self.device, on_first_token=read)
         out = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
                              streamer=clock, use_cache=True)
         stamps = [self.start, *clock.stamps]

@@ -229,3 +229,17 @@ def test_bench_batched_matches_bench(demo_loads, capsys):
         return [(i["id"], i["method"], i["answer"], i["fidelity"]) for i in items]
 
     assert bench("--kv-memory", "64MiB") == bench()
+
+
+def test_stdin_paths_batched(demo_loads, capsys, monkeypatch):
+    import io
+    import sys
+
+    from hybridkv_cli import cli
+
+    paths = f"{SAMPLES / 'shapes.mp4'}\n{SAMPLES / 'needle.mp4'}\n".encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(paths)))
+    code = cli.run(["ask", "-", "What is shown?", "--jsonl", "--quiet", "--frames", "8", "--max-new-tokens", "4",
+                    "--kv-memory", "1GiB"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and len(lines) == 2 and all(r["batch"]["size_max"] == 2 for r in lines)

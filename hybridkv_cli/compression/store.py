@@ -15,8 +15,9 @@ import torch
 from hybridkv_cli.compression.base import LayerKV
 from hybridkv_kernels import RaggedKV
 
-# Rows added when a token arrives with no room left (a generation reserves its rows up front,
-# :meth:`RaggedStore.reserve`; this serves callers that do not).
+# Generated tokens are appended in blocks of this many rows: one reallocation per block, and at
+# most this much slack per head is ever allocated (and counted) beyond what was generated. A
+# batch member reserves all its rows when it joins instead (RaggedStore.reserve).
 GEN_BLOCK = 16
 
 
