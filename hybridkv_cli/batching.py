@@ -30,6 +30,7 @@ from hybridkv_cli.errors import OutOfMemoryError, UsageError
 from hybridkv_cli.generation import Generation, generate, now
 from hybridkv_cli.multi import rope_owner
 from hybridkv_cli.prompt import Prompt
+from hybridkv_cli.report import human_bytes
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,20 @@ class Member:
 
     def info(self, limits: BatchLimits) -> dict:
         """What the record says of the batch it decoded in."""
-        return {
-            "joined_step": self.joined,
-            "size_max": max(self.sizes, default=1),
-            "size_mean": sum(self.sizes) / len(self.sizes) if self.sizes else 1.0,
-            "kv_device_bytes_peak": self.kv_peak or self.bytes,
-            "batch_size": limits.batch_size,
-            "kv_memory": limits.kv_memory,
-        }
+        return batch_info(limits, self.joined, self.sizes, self.kv_peak or self.bytes)
+
+
+def batch_info(limits: BatchLimits, joined: int, sizes: list[int], kv_peak: int) -> dict:
+    """A record's ``batch``: when the input joined, the batch sizes of its steps, the most device
+    KV of the batch meanwhile, and the run's limits."""
+    return {
+        "joined_step": joined,
+        "size_max": max(sizes, default=1),
+        "size_mean": sum(sizes) / len(sizes) if sizes else 1.0,
+        "kv_device_bytes_peak": kv_peak,
+        "batch_size": limits.batch_size,
+        "kv_memory": limits.kv_memory,
+    }
 
 
 @dataclass
@@ -227,7 +234,7 @@ def decode_batched(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Call
     """
     decoder = None
     pending = iter(jobs)
-    waiting: list = []  # (tag, prompt, policy, measured bytes or None): prepared, not yet admitted
+    waiting: list = []  # (tag, prepared, measured bytes or None): prepared, not yet admitted
     per_token = 0.0  # most device bytes per prompt token of any member so far
     exhausted = False
     cap = limits.kv_memory
@@ -267,7 +274,9 @@ def decode_batched(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Call
                 yield Outcome(tag, prepared, error=e)
                 continue
             if decoder.finished(generation):
-                yield Outcome(tag, prepared, generation, batch=_alone(generation, limits, decoder.steps))
+                # done at its first token: it never joined
+                yield Outcome(tag, prepared, generation,
+                              batch=batch_info(limits, decoder.steps, [], generation.device_bytes_after_prefill))
                 continue
             member = decoder.join(tag, prepared, generation, rope)
             per_token = max(per_token, member.bytes / max(prepared.prompt.length, 1))
@@ -275,7 +284,7 @@ def decode_batched(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Call
                 decoder.leave(member)
                 if not decoder.members:
                     yield Outcome(tag, prepared, error=OutOfMemoryError(
-                        f"its KV cache needs {_size(member.bytes)} on the device, more than --kv-memory {_size(cap)}"))
+                        f"its KV cache needs {human_bytes(member.bytes)} on the device, more than --kv-memory {human_bytes(cap)}"))
                 else:  # measured now: wait for that much room, then prefill again
                     waiting.insert(0, (tag, prepared, member.bytes))
                 del member, generation
@@ -296,17 +305,3 @@ def decode_batched(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Call
                 yield Outcome(m.tag, m.prepared, error=e)
         for m in done:
             yield Outcome(m.tag, m.prepared, m.generation, batch=m.info(limits))
-
-
-def _alone(generation: Generation, limits: BatchLimits, step: int) -> dict:
-    """Batch info of an input done at its first token (it never joined)."""
-    return {"joined_step": step, "size_max": 1, "size_mean": 1.0,
-            "kv_device_bytes_peak": generation.device_bytes_after_prefill,
-            "batch_size": limits.batch_size, "kv_memory": limits.kv_memory}
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"

@@ -242,19 +242,13 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
         items = _run_batched(session, tasks, policies, progress, failed, limits)
     with (nullcontext() if per_video or batched else progress):
         for task in ([] if per_video or batched else tasks):
-            try:
-                media = session.load_media(task.media) if task.media else None
-                prepared = session.prepare(media, task.question, context=task.context, source=task.id)
-            except Exception as e:
-                error = failed(task.id, e)
-                for method, budget in runs:
-                    items.append(_record(task, method, budget, error=error))
-                    progress.finish(f"{task.id} {method} b={budget:g}", False, 0.0)
+            prepared, errors = _prepare(session, task, runs, failed, progress)
+            if prepared is None:
+                items += errors
                 continue
-            if not warm:  # the first generation pays one-time costs: keep them out of every ms/token
+            if not warm:
                 warm = True
-                with suppress(Exception):  # a failure shows in the real run
-                    session.run(prepared, policies[REFERENCE, 1.0], max_new_tokens=2)
+                _warm_up(session, prepared, policies)
             reference = None
             for method, budget in runs:
                 key = f"{task.id} {method} b={budget:g}"
@@ -279,6 +273,28 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
     return {"config": config, "aggregates": aggregate(items, runs), "items": items}
 
 
+def _prepare(session, task: Task, runs, failed, progress) -> tuple:
+    """``(prepared, [])``: ``task``'s media loaded and prompt built; or ``(None, records)`` when that
+    fails: the error's record for every run (each counted done on ``progress``)."""
+    try:
+        media = session.load_media(task.media) if task.media else None
+        return session.prepare(media, task.question, context=task.context, source=task.id), []
+    except Exception as e:
+        error = failed(task.id, e)
+        records = []
+        for method, budget in runs:
+            records.append(_record(task, method, budget, error=error))
+            progress.finish(f"{task.id} {method} b={budget:g}", False, 0.0)
+        return None, records
+
+
+def _warm_up(session, prepared, policies: dict) -> None:
+    """The first generation pays one-time costs: keep them out of every ms/token (a failure
+    shows in the real run)."""
+    with suppress(Exception):
+        session.run(prepared, policies[REFERENCE, 1.0], max_new_tokens=2)
+
+
 def _keep(results: dict, references: dict, task: Task, method: str, budget: float, result: dict) -> None:
     """Keep one run's item; the reference run's answer is what the others' fidelity compares with
     (it runs first)."""
@@ -294,17 +310,11 @@ def _run_batched(session, tasks: list[Task], policies: dict, progress, failed, l
     prepared: dict = {}
     with progress:
         for task in tasks:
-            try:
-                media = session.load_media(task.media) if task.media else None
-                prepared[task.id] = session.prepare(media, task.question, context=task.context, source=task.id)
-            except Exception as e:
-                error = failed(task.id, e)
-                for method, budget in runs:
-                    results[task.id, method, budget] = _record(task, method, budget, error=error)
-                    progress.finish(f"{task.id} {method} b={budget:g}", False, 0.0)
-        if prepared:  # the first generation pays one-time costs: keep them out of every ms/token
-            with suppress(Exception):
-                session.run(next(iter(prepared.values())), policies[REFERENCE, 1.0], max_new_tokens=2)
+            prepared[task.id], errors = _prepare(session, task, runs, failed, progress)
+            results.update(((task.id, r["method"], r["budget"]), r) for r in errors)
+        prepared = {key: p for key, p in prepared.items() if p is not None}
+        if prepared:
+            _warm_up(session, next(iter(prepared.values())), policies)
         todo = [task for task in tasks if task.id in prepared]
         reference: dict[str, str] = {}
         for method, budget in runs:

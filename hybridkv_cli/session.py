@@ -146,11 +146,14 @@ class Session:
     def answer(self, item: Item, question: str, context: str | None = None) -> dict:
         """The result record for ``item`` (no paths: a text prompt about ``context``); raises a
         :class:`HybridKVError` for a bad input."""
+        return self.run(self.prepare_item(item, question, context), self.policy)
+
+    def prepare_item(self, item: Item, question: str, context: str | None = None) -> Prepared:
+        """``item``'s media loaded and its prompt built (no paths: a text prompt about ``context``)."""
         if item.error is not None:
             raise item.error
         media = self.load_media(item.paths) if item.paths else None
-        prepared = self.prepare(media, question, context=context, source=item.key if item.paths else None)
-        return self.run(prepared, self.policy)
+        return self.prepare(media, question, context=context, source=item.key if item.paths else None)
 
     # --- many inputs decoded together (batching.py) ---------------------------------------------
     def answer_batched(self, items, question: str, limits, context: str | None = None):
@@ -159,15 +162,8 @@ class Session:
         record is its :class:`HybridKVError` (or the exception) instead. Each record is the one
         :meth:`answer` gives, plus ``batch``: how it was batched. ``items`` are read as the batch
         has room for them."""
-        def job(item: Item):
-            def prepare() -> Prepared:
-                if item.error is not None:
-                    raise item.error
-                media = self.load_media(item.paths) if item.paths else None
-                return self.prepare(media, question, context=context, source=item.key if item.paths else None)
-            return item, prepare
-
-        return self.decode_together(map(job, items), self.policy, limits)
+        jobs = ((item, lambda item=item: self.prepare_item(item, question, context)) for item in items)
+        return self.decode_together(jobs, self.policy, limits)
 
     def decode_together(self, jobs, policy: Policy, limits):
         """``(tag, record or error)`` of ``jobs`` (``(tag, prepare)`` pairs, ``prepare()`` giving

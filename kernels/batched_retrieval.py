@@ -45,19 +45,19 @@ class RetrievalPart(NamedTuple):
     moved: torch.Tensor
 
 
-def chunk_retrieve(q: torch.Tensor, parts: list[RetrievalPart], backend: str = "auto") -> None:
-    """Load every part's wanted chunks for ``q`` (its rows part after part, [sum H, G, d]).
+def chunk_retrieve(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: str = "auto") -> None:
+    """Load every part's wanted chunks for its query (``queries[i]``: [H_i, G, d], part i's heads).
 
     ``backend`` resolves as ``chunk_gather``'s does (on CUDA the torch path until the zero-copy
     gather is validated on a GPU); the result is the parts' slots, resident ids and byte counters.
     """
     if not parts:
         return
-    if resolve_backend(backend, q, parts[0].store_k, op="chunk_gather") != "triton" or len(parts) == 1:
-        for p, rows in zip(parts, torch.split(q, [p.resident.shape[0] for p in parts])):
-            _one(rows, p, backend)
+    if resolve_backend(backend, queries[0], parts[0].store_k, op="chunk_gather") != "triton" or len(parts) == 1:
+        for q, p in zip(queries, parts):
+            _one(q, p, backend)
         return
-    _launch(q, parts)
+    _launch(torch.cat(queries), parts)
 
 
 def _one(q: torch.Tensor, p: RetrievalPart, backend: str) -> None:

@@ -276,7 +276,7 @@ def test_chunk_retrieve_is_each_part_alone(dtype):
     alone = [_copy(p) for p in parts]
     q = torch.randn(6, G, d).to(dtype).to(DEV)
     for step in range(2):  # the second step keeps the hits of the first
-        hk.chunk_retrieve(q * (step + 1), parts, backend="triton")
+        hk.chunk_retrieve(list(torch.split(q * (step + 1), [2, 1, 3])), parts, backend="triton")
         for p, rows in zip(alone, torch.split(q * (step + 1), [2, 1, 3])):
             want = hk.chunk_topk_triton(rows, p.landmarks, p.resident.shape[1], p.landmark_scale)
             p.moved.add_(hk.chunk_gather_triton(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident,

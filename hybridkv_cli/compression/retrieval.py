@@ -89,7 +89,7 @@ class DynamicHeads:
         (:func:`~hybridkv_kernels.chunk_retrieve`), the others one by one."""
         one_pass = [(d, q, s) for d, q, s in items if d.resident.shape[1] and isinstance(d.landmarks, MeanLandmarks)]
         if one_pass:
-            chunk_retrieve(torch.cat([q[d.heads] for d, q, _ in one_pass]),
+            chunk_retrieve([q[d.heads] for d, q, _ in one_pass],
                            [RetrievalPart(d.landmarks.codes, d.landmarks.scale, d.host_k, d.host_v, s.keys, s.values,
                                           d.slot_base, d.resident, d.transferred) for d, _, s in one_pass])
             for d, _, _ in one_pass:
