@@ -274,23 +274,19 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
 
 
 def _prepare(session, task: Task, runs, failed, progress) -> tuple:
-    """``(prepared, [])``: ``task``'s media loaded and prompt built; or ``(None, records)`` when that
-    fails: the error's record for every run (each counted done on ``progress``)."""
+    """``(prepared, [])``, or ``(None, the error's record for every run)`` when the task's media fail."""
     try:
         media = session.load_media(task.media) if task.media else None
         return session.prepare(media, task.question, context=task.context, source=task.id), []
     except Exception as e:
         error = failed(task.id, e)
-        records = []
         for method, budget in runs:
-            records.append(_record(task, method, budget, error=error))
             progress.finish(f"{task.id} {method} b={budget:g}", False, 0.0)
-        return None, records
+        return None, [_record(task, method, budget, error=error) for method, budget in runs]
 
 
 def _warm_up(session, prepared, policies: dict) -> None:
-    """The first generation pays one-time costs: keep them out of every ms/token (a failure
-    shows in the real run)."""
+    """One-time costs out of every ms/token: a first generation (a failure shows in the real run)."""
     with suppress(Exception):
         session.run(prepared, policies[REFERENCE, 1.0], max_new_tokens=2)
 
