@@ -113,7 +113,9 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay the decode steps as CUDA graphs")
     args = ap.parse_args(argv)
+    limits = lambda **kw: BatchLimits(cuda_graphs=args.cuda_graphs, **kw)  # noqa: E731
 
     model = build_model(args.layers, args.intermediate, device=args.device, dtype=getattr(torch, args.dtype))
     vocab = model.config.get_text_config().vocab_size
@@ -126,19 +128,19 @@ def main(argv=None) -> None:
         for method, budget in runs:
             prefix = compressed(model, prompt, make_policy(method, budget=budget), recorded)
             if full_bytes is None:  # full at the longest length, with its generated rows
-                full_bytes = run(model, prompt, prefix, first, BatchLimits(batch_size=1), 1,
+                full_bytes = run(model, prompt, prefix, first, limits(batch_size=1), 1,
                                  args.new_tokens)["kv_bytes_per_sequence"]
             for cap in args.caps:
                 row = {"prompt_tokens": length, "method": method, "budget": budget, "cap_sequences_of_full": cap,
                        "cap_bytes": int(cap * full_bytes),
-                       **run(model, prompt, prefix, first, BatchLimits(kv_memory=int(cap * full_bytes)),
+                       **run(model, prompt, prefix, first, limits(kv_memory=int(cap * full_bytes)),
                              args.sequences, args.new_tokens)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if method == "hybridkv" and budget == min(args.budgets):
                 for size in (1, 8):
                     row = {"prompt_tokens": length, "method": method, "budget": budget, "batch_size": size,
-                           **run(model, prompt, prefix, first, BatchLimits(batch_size=size), 4 * size,
+                           **run(model, prompt, prefix, first, limits(batch_size=size), 4 * size,
                                  args.new_tokens)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -148,7 +150,8 @@ def main(argv=None) -> None:
     meta = {"machine": gpu or platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "dtype": args.dtype,
             "torch": torch.__version__, "layers": args.layers, "intermediate": args.intermediate,
-            "new_tokens": args.new_tokens, "sequences": args.sequences, "full_bytes_longest": full_bytes}
+            "new_tokens": args.new_tokens, "sequences": args.sequences, "full_bytes_longest": full_bytes,
+            "cuda_graphs": args.cuda_graphs}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -31,28 +31,33 @@ from hybridkv_cli.generation import Generation, generate, now
 from hybridkv_cli.multi import rope_owner
 from hybridkv_cli.prompt import Prompt
 from hybridkv_cli.report import human_bytes
+from hybridkv_cli.step_replay import StepReplay
 
 
 @dataclass(frozen=True)
 class BatchLimits:
     """How many inputs decode together: ``batch_size`` members at most (None: no count limit)
-    and, with ``kv_memory``, at most that many bytes of device KV among them."""
+    and, with ``kv_memory``, at most that many bytes of device KV among them; ``cuda_graphs``:
+    replay the batch's decode steps as CUDA graphs (:mod:`~hybridkv_cli.step_replay`)."""
 
     batch_size: int | None = None
     kv_memory: int | None = None
+    cuda_graphs: bool = False
 
     @property
     def batched(self) -> bool:
-        return self.kv_memory is not None or (self.batch_size or 1) > 1
+        return self.kv_memory is not None or (self.batch_size or 1) > 1 or self.cuda_graphs
 
     @classmethod
-    def of(cls, batch_size: int | None, kv_memory: str | None, refused: str | None = None) -> "BatchLimits":
-        """The limits ``--batch-size`` and ``--kv-memory`` give: a UsageError for a bad size, or
-        when they batch and ``refused`` names the options given that cannot batch."""
-        limits = cls(batch_size, None if kv_memory is None else parse_size(kv_memory, "--kv-memory"))
+    def of(cls, batch_size: int | None, kv_memory: str | None, refused: str | None = None,
+           cuda_graphs: bool = False) -> "BatchLimits":
+        """The limits ``--batch-size``, ``--kv-memory`` and ``--cuda-graphs`` give: a UsageError
+        for a bad size, or when they batch and ``refused`` names the options given that cannot."""
+        limits = cls(batch_size, None if kv_memory is None else parse_size(kv_memory, "--kv-memory"), cuda_graphs)
         if limits.batched and refused:
-            raise UsageError(f"decodes many inputs with one question on this device, not with {refused}",
-                             "--batch-size" if batch_size is not None and batch_size > 1 else "--kv-memory")
+            flag = ("--batch-size" if batch_size is not None and batch_size > 1 else
+                    "--kv-memory" if kv_memory is not None else "--cuda-graphs")
+            raise UsageError(f"decodes many inputs with one question on this device, not with {refused}", flag)
         return limits
 
 
@@ -82,22 +87,25 @@ class Member:
     joined: int  # the batch step it joined at
     sizes: list[int] = field(default_factory=list)  # members in each of its steps
     kv_peak: int = 0  # most device KV of the batch during its steps
+    replayed: int = 0  # its steps replayed as a CUDA graph
 
     def info(self, limits: BatchLimits) -> dict:
         """What the record says of the batch it decoded in."""
-        return batch_info(limits, self.joined, self.sizes, self.kv_peak or self.bytes)
+        return batch_info(limits, self.joined, self.sizes, self.kv_peak or self.bytes, self.replayed)
 
 
-def batch_info(limits: BatchLimits, joined: int, sizes: list[int], kv_peak: int) -> dict:
+def batch_info(limits: BatchLimits, joined: int, sizes: list[int], kv_peak: int, replayed: int = 0) -> dict:
     """A record's ``batch``: when the input joined, the batch sizes of its steps, the most device
-    KV of the batch meanwhile, and the run's limits."""
+    KV of the batch meanwhile, its steps replayed as a CUDA graph, and the run's limits."""
     return {
         "joined_step": joined,
         "size_max": max(sizes, default=1),
         "size_mean": sum(sizes) / len(sizes) if sizes else 1.0,
         "kv_device_bytes_peak": kv_peak,
+        "graph_replayed_steps": replayed,
         "batch_size": limits.batch_size,
         "kv_memory": limits.kv_memory,
+        "cuda_graphs": limits.cuda_graphs,
     }
 
 
@@ -114,18 +122,22 @@ class Outcome:
 
 class Decoder:
     """The batch being decoded (see the module docstring). Its per-step inputs live on the
-    device as batch tensors: the tokens to feed and their positions, updated by one op a step
-    and re-indexed only when members join or leave."""
+    device as batch tensors (the tokens to feed and their positions) updated in place, so a
+    step's device work (:meth:`_device_step`) reads and writes the same tensors every step until
+    members join or leave; with ``cuda_graphs`` it is replayed as a CUDA graph."""
 
-    def __init__(self, model, max_new_tokens: int):
+    def __init__(self, model, max_new_tokens: int, cuda_graphs: bool = False):
         self.model = model
         self.max_new_tokens = max_new_tokens
-        self.cache = BatchCache(model.config.get_text_config().num_hidden_layers)
+        self.replay = StepReplay(self._device_step, cuda_graphs)
+        self.cache = BatchCache(model.config.get_text_config().num_hidden_layers, model.device,
+                                "triton" if self.replay.enabled else "auto")
         self.members: list[Member] = []
         self.owner = rope_owner(model)
         self.rows = 4 if self.owner is not None else 1  # mRoPE: the text position, then 3 rotary ones
         self.feed = torch.empty(0, 1, dtype=torch.long, device=model.device)  # [B, 1] next tokens
         self.position = torch.empty(self.rows, 0, 1, dtype=torch.long, device=model.device)  # [R, B, 1]
+        self.logits = None  # [B, V] fp32: the step's output
         self.config = _generation_config(model, max_new_tokens)
         eos = self.config.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
@@ -152,28 +164,46 @@ class Decoder:
         member = Member(tag, prepared, generation, processors, ids if processors else None, cache.device_bytes(),
                         self.steps)
         self.members.append(member)
-        self.cache.members.append(cache)
+        self.cache.join(cache)
         self.feed = torch.cat([self.feed, token])
         self.position = torch.cat([self.position, position], dim=1)
+        self._changed()
         return member
 
     def device_bytes(self) -> int:
         return sum(m.bytes for m in self.members)
 
+    def _changed(self) -> None:
+        self.logits = None
+        self.replay.reset()
+
+    def _device_step(self) -> None:
+        """The step's device work: append and attend every member's fed token, the logits into
+        :attr:`logits`. Only tensors that stay put are read and written (see :class:`StepReplay`)."""
+        self.cache.begin_step()
+        out = self.model(input_ids=self.feed, position_ids=self.position if self.rows > 1 else self.position[0],
+                         cache_position=self.position[0, 0], cache=self.cache, use_cache=True)
+        if self.logits is None:
+            self.logits = torch.empty(out.logits.shape[0], out.logits.shape[-1], dtype=torch.float32,
+                                      device=out.logits.device)
+        self.logits.copy_(out.logits[:, -1])
+
     def step(self) -> list[Member]:
         """One token for every member; returns (and drops) the members that finished."""
         members = self.members
         device = self.model.device
+        for cache in self.cache.members:
+            cache.advance()  # the host's count of the token fed now (the device keeps its own)
         start = now(device)
+        replays = self.replay.replays
         with torch.inference_mode(), policy_attention(self.model):
-            out = self.model(input_ids=self.feed, position_ids=self.position if self.rows > 1 else self.position[0],
-                             cache=self.cache, use_cache=True)
-            logits = out.logits[:, -1].to(dtype=torch.float32)
+            self.replay(self.cache.planned)
+            logits = self.logits
             if any(m.processors for m in members):
                 logits = torch.cat([m.processors(m.ids, logits[b:b + 1]) if m.processors else logits[b:b + 1]
                                     for b, m in enumerate(members)])
-            self.feed = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
-            self.position = self.position + 1
+            self.feed.copy_(logits.argmax(dim=-1, keepdim=True))  # [B, 1]
+            self.position.add_(1)
         tokens = self.feed.flatten().tolist()  # the step's one read on the host: who has finished
         elapsed = now(device) - start
         self.steps += 1
@@ -184,6 +214,7 @@ class Decoder:
             m.generation.step_s.append(elapsed)
             m.sizes.append(len(members))
             m.kv_peak = max(m.kv_peak, kv)
+            m.replayed += self.replay.replays - replays
             if m.ids is not None:
                 m.ids = torch.cat([m.ids, self.feed[b:b + 1]], dim=1)
             if self.finished(m.generation):
@@ -197,10 +228,11 @@ class Decoder:
             return
         keep = [b for b, m in enumerate(self.members) if m not in members]
         self.members[:] = [self.members[b] for b in keep]
-        self.cache.members[:] = [self.cache.members[b] for b in keep]
+        self.cache.keep(keep)
         index = torch.tensor(keep, dtype=torch.long, device=self.feed.device)
         self.feed = self.feed.index_select(0, index)
         self.position = self.position.index_select(1, index)
+        self._changed()
         for m in members:
             m.ids = None
 
@@ -268,7 +300,7 @@ def decode_batched(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Call
                 break
             tag, prepared, _ = waiting.pop(0)
             try:
-                decoder = decoder or Decoder(load_model(), max_new_tokens)
+                decoder = decoder or Decoder(load_model(), max_new_tokens, limits.cuda_graphs)
                 generation, rope = prefill(prepared)
             except Exception as e:
                 yield Outcome(tag, prepared, error=e)

@@ -21,6 +21,7 @@ from hybridkv_cli.cli_options import (  # noqa: F401 - options and help texts of
     REFRESH_RATE, REFRESH_PERIOD, REFRESH_SLOTS, SINKS, PAGE_SIZE, ROUTE, HEAD_SCORES, FRAMES, FPS, DEFER,
     MAX_PIXELS, DEVICE, DTYPE, JSON, DEBUG, QUIET, EACH, JSONL, OUTPUT, ASK_MODEL, QUESTION, QUESTIONS,
     RESUME, ASK_HELP, BENCH_HELP, COMPRESS_HELP, METHOD_OPTIONS, WORKERS, RAY, GPUS_PER_WORKER, BATCH_SIZE, KV_MEMORY,
+    CUDA_GRAPHS,
 )
 from hybridkv_cli.console import err, one_line_warnings, print_error, print_warning, quiet_libraries, status
 from hybridkv_cli.errors import HybridKVError, UsageError, one_line
@@ -55,7 +56,7 @@ def ask(
     each: bool = EACH, jsonl: bool = JSONL, output: Optional[Path] = OUTPUT, resume: bool = RESUME,
     quiet: bool = QUIET, debug: bool = DEBUG, context: Optional[str] = CONTEXT, workers: Optional[int] = WORKERS,
     ray: Optional[str] = RAY, gpus_per_worker: float = GPUS_PER_WORKER, batch_size: Optional[int] = BATCH_SIZE,
-    kv_memory: Optional[str] = KV_MEMORY,
+    kv_memory: Optional[str] = KV_MEMORY, cuda_graphs: bool = CUDA_GRAPHS,
 ):
     given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.batch import run_batch
@@ -81,7 +82,7 @@ def ask(
     model, dtype, caches = resolve_cache_inputs(paths, model, dtype)
     multi = asked is not None or caches  # one compression (or a .hkv file), one record per question
     limits = BatchLimits.of(batch_size, kv_memory, "-Q/--questions or .hkv inputs" if multi else
-                            "--workers or --ray" if workers or ray else None)
+                            "--workers or --ray" if workers or ray else None, cuda_graphs)
     options = AskOptions(
         model=model, device=device, dtype=dtype, method=method or "hybridkv", method_given=method is not None,
         frames=frames, fps=fps, max_pixels=max_pixels, max_new_tokens=max_new_tokens,
@@ -107,7 +108,7 @@ def ask(
     if not batch or context is not None:  # one input: errors are raised, the report is rendered
         text = read_context(context) if context is not None else None
         try:
-            result = session.answer(Item(tuple(paths)), question, context=text)
+            result = session.answer(Item(tuple(paths)), question, context=text, limits=limits)
         except UsageError as e:
             if len(paths) > 1 and "one video per prompt" in e.reason:
                 e.reason += "; add --each to ask the question about each file separately"
@@ -208,7 +209,7 @@ def bench(
     device: str = DEVICE, dtype: str = DTYPE, workers: Optional[int] = WORKERS, ray: Optional[str] = RAY,
     as_json: bool = typer.Option(False, "--json", help="Print the JSON (config, aggregates, items), not the table."),
     quiet: bool = QUIET, debug: bool = DEBUG, gpus_per_worker: float = GPUS_PER_WORKER,
-    batch_size: Optional[int] = BATCH_SIZE, kv_memory: Optional[str] = KV_MEMORY,
+    batch_size: Optional[int] = BATCH_SIZE, kv_memory: Optional[str] = KV_MEMORY, cuda_graphs: bool = CUDA_GRAPHS,
 ):
     given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.batching import BatchLimits
@@ -220,7 +221,7 @@ def bench(
     _state["debug"] = debug
     names, sweep = parse_methods(methods), parse_budgets(budgets)
     limits = BatchLimits.of(batch_size, kv_memory, "--per-video" if per_video else
-                            "--workers or --ray" if workers or ray else None)
+                            "--workers or --ray" if workers or ray else None, cuda_graphs)
     options = given
     method_options(names, options)  # refuses what no method takes before anything loads
     if tasks is not None:

@@ -133,3 +133,6 @@ BATCH_SIZE = typer.Option(None, "--batch-size", min=1, metavar="N", help="Decode
                           "--kv-memory admits].")
 KV_MEMORY = typer.Option(None, "--kv-memory", metavar="SIZE", help="Admit inputs to the batch while their device KV "
                          "(measured) stays within SIZE, e.g. 4GiB or 512MB: a compressed cache admits more.")
+CUDA_GRAPHS = typer.Option(False, "--cuda-graphs", help="Decode through the batch decoder and, on CUDA, replay each "
+                           "decode step as a CUDA graph (methods without per-step host work; the others run eagerly). "
+                           "Not yet validated on a GPU: off by default.")

@@ -143,9 +143,15 @@ class Session:
                            o.defer_question)
 
     # --- the straight line -------------------------------------------------------------------
-    def answer(self, item: Item, question: str, context: str | None = None) -> dict:
+    def answer(self, item: Item, question: str, context: str | None = None, limits=None) -> dict:
         """The result record for ``item`` (no paths: a text prompt about ``context``); raises a
-        :class:`HybridKVError` for a bad input."""
+        :class:`HybridKVError` for a bad input. With ``limits`` that batch (``--cuda-graphs``), it
+        is decoded by the batch decoder, alone."""
+        if limits is not None and limits.batched:
+            (_, record), = self.answer_batched([item], question, limits, context)
+            if isinstance(record, BaseException):
+                raise record
+            return record
         return self.run(self.prepare_item(item, question, context), self.policy)
 
     def prepare_item(self, item: Item, question: str, context: str | None = None) -> Prepared:

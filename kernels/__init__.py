@@ -15,17 +15,19 @@ no top-level ``kernels`` import, which transformers would take for the hub-kerne
 triton is optional: nothing here imports it until a Triton kernel is first used.
 """
 
-from .batched_retrieval import RetrievalPart, chunk_retrieve
+from .batched_retrieval import RetrievalPart, RetrievalTable, chunk_retrieve, retrieval_table
 from .chunk_gather import chunk_gather, chunk_gather_torch, chunk_gather_triton, gather_plan
 from .chunk_topk import chunk_scores_torch, chunk_topk, chunk_topk_torch, chunk_topk_triton
 from .decode_attention import (
     RaggedKV,
+    SegmentTable,
     batched_decode_attention,
     decode_split_heuristic,
     dense_decode_attention,
     ragged_decode_attention,
     ragged_decode_attention_torch,
     ragged_decode_attention_triton,
+    segment_table,
 )
 from .dispatch import BACKENDS, HAS_TRITON, resolve_backend, triton_interpreting
 from .window_scores import window_scores, window_scores_torch
@@ -34,6 +36,8 @@ __all__ = [
     "BACKENDS",
     "RaggedKV",
     "RetrievalPart",
+    "RetrievalTable",
+    "SegmentTable",
     "batched_decode_attention",
     "HAS_TRITON",
     "chunk_gather",
@@ -51,6 +55,8 @@ __all__ = [
     "ragged_decode_attention_torch",
     "ragged_decode_attention_triton",
     "resolve_backend",
+    "retrieval_table",
+    "segment_table",
     "triton_interpreting",
     "window_scores",
     "window_scores_torch",

@@ -41,7 +41,7 @@ def ragged_decode_stage1_kernel(
     stride_oh, stride_os, stride_og,
     stride_lh, stride_ls,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr, TABLE: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, TABLE: tl.constexpr, COUNTS: tl.constexpr = False,
 ):
     """One program = one KV head x one split of its (ragged rows ++ generated rows).
 
@@ -50,6 +50,9 @@ def ragged_decode_stage1_kernel(
     of its first generated key and value row, and its generated-row count; ``K``, ``V``, ``GK``,
     ``GV`` and ``n_gen`` are then unused (dummies of the element type) and ``OFF`` is relative
     to the segment's own store. Every row stride is ``D`` in that mode (checked by the launcher).
+    With ``COUNTS`` the fifth int64 is instead the address of the segment's generated-row count
+    (an int64 on the device), read at launch: the table then stays valid while tokens are
+    appended, so a decode step can be replayed (a CUDA graph) with the same table.
 
     Writes the split's normalised partial output ``O_PART[h, s, :G, :D]`` (fp32) and its
     log-sum-exp in log2 units ``LSE_PART[h, s, :G]`` (-inf for an empty split).
@@ -75,7 +78,10 @@ def ragged_decode_stage1_kernel(
         V = tl.multiple_of(tl.load(SEG + h * 5 + 1).to(tl.pointer_type(ptr)), 16)
         GK = tl.multiple_of(tl.load(SEG + h * 5 + 2).to(tl.pointer_type(ptr)), 16)
         GV = tl.multiple_of(tl.load(SEG + h * 5 + 3).to(tl.pointer_type(ptr)), 16)
-        n_gen = tl.load(SEG + h * 5 + 4)
+        if COUNTS:
+            n_gen = tl.load(tl.load(SEG + h * 5 + 4).to(tl.pointer_type(tl.int64)))
+        else:
+            n_gen = tl.load(SEG + h * 5 + 4)
         head = 0  # the table's generated-row addresses are already the segment's own
     else:
         head = h

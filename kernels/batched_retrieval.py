@@ -19,7 +19,7 @@ from .chunk_gather import chunk_gather
 from .chunk_topk import chunk_topk
 from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
 
-__all__ = ["RetrievalPart", "chunk_retrieve"]
+__all__ = ["RetrievalPart", "RetrievalTable", "chunk_retrieve", "retrieval_table"]
 
 #: The int64 columns of a row of the table, in kernel order.
 COLUMNS = ("landmarks", "landmark_scale", "chunks", "slots", "resident", "moved", "host_k", "host_v", "store_k",
@@ -45,28 +45,24 @@ class RetrievalPart(NamedTuple):
     moved: torch.Tensor
 
 
-def chunk_retrieve(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: str = "auto") -> None:
-    """Load every part's wanted chunks for its query (``queries[i]``: [H_i, G, d], part i's heads).
+class RetrievalTable(NamedTuple):
+    """The parts' rows for the ``TABLE``-mode kernels (:data:`COLUMNS`, one row per head, on the
+    device) and the largest chunk count, slot count and chunk length among them."""
 
-    ``backend`` resolves as ``chunk_gather``'s does (on CUDA the torch path until the zero-copy
-    gather is validated on a GPU); the result is the parts' slots, resident ids and byte counters.
-    """
-    if not parts:
-        return
-    if resolve_backend(backend, queries[0], parts[0].store_k, op="chunk_gather") != "triton" or len(parts) == 1:
-        for q, p in zip(queries, parts):
-            _one(q, p, backend)
-        return
-    _launch(torch.cat(queries), parts)
+    rows: torch.Tensor
+    chunks: int
+    slots: int
+    chunk: int
 
 
-def _one(q: torch.Tensor, p: RetrievalPart, backend: str) -> None:
-    want = chunk_topk(q, p.landmarks, p.resident.shape[1], landmark_scale=p.landmark_scale, backend=backend)
-    p.moved.add_(chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want,
-                              backend=backend))
-
-
-def _table(parts: list[RetrievalPart], device: torch.device) -> torch.Tensor:
+def retrieval_table(parts: list[RetrievalPart]) -> RetrievalTable:
+    """The table :func:`chunk_retrieve` launches with. It holds addresses only (every state it
+    points at is updated in place), so one table serves every step of the same parts."""
+    first = parts[0]
+    if any(p.host_k.dtype != first.host_k.dtype or p.store_k.dtype != first.host_k.dtype
+           or p.landmarks.dtype != torch.int8 or p.landmark_scale.dtype != torch.float32 for p in parts):
+        raise ValueError("chunk_retrieve needs int8 landmarks with fp32 scales and one dtype for every host chunk "
+                         "and store")
     rows = []
     for p in parts:
         for t in (p.landmarks, p.landmark_scale, p.host_k, p.host_v, p.resident, p.slot_base):
@@ -80,22 +76,44 @@ def _table(parts: list[RetrievalPart], device: torch.device) -> torch.Tensor:
                          p.resident[h].data_ptr(), p.moved.data_ptr(), p.host_k[h].data_ptr(), p.host_v[h].data_ptr(),
                          p.store_k.data_ptr(), p.store_v.data_ptr(), p.slot_base[h:].data_ptr(), chunk))
     table = torch.tensor(rows, dtype=torch.int64)
-    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    device = first.store_k.device
+    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    return RetrievalTable(table, max(p.host_k.shape[1] for p in parts), max(p.resident.shape[1] for p in parts),
+                          max(p.host_k.shape[2] for p in parts))
 
 
-def _launch(q: torch.Tensor, parts: list[RetrievalPart]) -> None:
+def chunk_retrieve(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: str = "auto",
+                   table: RetrievalTable | None = None) -> None:
+    """Load every part's wanted chunks for its query (``queries[i]``: [H_i, G, d], part i's heads).
+
+    ``backend`` resolves as ``chunk_gather``'s does (on CUDA the torch path until the zero-copy
+    gather is validated on a GPU); the result is the parts' slots, resident ids and byte counters.
+    With Triton the parts go through the ``TABLE``-mode kernels (four launches for all of them),
+    ``table`` (:func:`retrieval_table`) built earlier or now; a single part without a table takes
+    the single-sequence kernels.
+    """
+    if not parts:
+        return
+    if resolve_backend(backend, queries[0], parts[0].store_k, op="chunk_gather") != "triton" or (
+            len(parts) == 1 and table is None):
+        for q, p in zip(queries, parts):
+            _one(q, p, backend)
+        return
+    _launch(torch.cat(queries), parts[0], table or retrieval_table(parts))
+
+
+def _one(q: torch.Tensor, p: RetrievalPart, backend: str) -> None:
+    want = chunk_topk(q, p.landmarks, p.resident.shape[1], landmark_scale=p.landmark_scale, backend=backend)
+    p.moved.add_(chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want,
+                              backend=backend))
+
+
+def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable) -> None:
+    """The four ``TABLE``-mode launches (``first``: any part, for the kernels' element types)."""
     dev = q.device
     mod_top, mod_gat = load_triton_module("_chunk_topk_triton"), load_triton_module("_chunk_gather_triton")
     rows, group, d = q.shape
-    first = parts[0]
-    if any(p.host_k.dtype != first.host_k.dtype or p.store_k.dtype != first.host_k.dtype
-           or p.landmarks.dtype != torch.int8 or p.landmark_scale.dtype != torch.float32 for p in parts):
-        raise ValueError("chunk_retrieve needs int8 landmarks with fp32 scales and one dtype for every host chunk "
-                         "and store")
-    table = _table(parts, dev)
-    c_max = max(p.host_k.shape[1] for p in parts)
-    n_max = max(p.resident.shape[1] for p in parts)
-    chunk_max = max(p.host_k.shape[2] for p in parts)
+    table, c_max, n_max, chunk_max = tab
     q = q if q.is_contiguous() else q.contiguous()
     scores = torch.empty(rows, c_max, dtype=torch.float32, device=dev)
     want = torch.full((rows, n_max), -1, dtype=torch.int64, device=dev)

@@ -25,12 +25,14 @@ from .dispatch import load_triton_module, next_power_of_2, resolve_backend, trit
 
 __all__ = [
     "RaggedKV",
+    "SegmentTable",
     "batched_decode_attention",
     "dense_decode_attention",
     "ragged_decode_attention",
     "ragged_decode_attention_torch",
     "ragged_decode_attention_triton",
     "decode_split_heuristic",
+    "segment_table",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -176,7 +178,8 @@ def _launch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None, n_gen=0, 
                 scale, num_splits, block_n)
 
 
-def _run(q, keys, values, gen_k, gen_v, offsets, lengths, seg, n_gen, max_total, scale, num_splits, block_n):
+def _run(q, keys, values, gen_k, gen_v, offsets, lengths, seg, n_gen, max_total, scale, num_splits, block_n,
+         counted=False):
     """Launch the split-KV pass and the merge over ``q``'s heads: one store (``seg`` None) or
     the segments of several (``seg``: the table of :func:`batched_decode_attention`)."""
     H, G, d = q.shape
@@ -217,7 +220,7 @@ def _run(q, keys, values, gen_k, gen_v, offsets, lengths, seg, n_gen, max_total,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         BLOCK_G=BLOCK_G, BLOCK_N=block_n, BLOCK_D=BLOCK_D, UPCAST=upcast, PREC=prec, TABLE=seg is not None,
-        num_warps=4,
+        COUNTS=counted, num_warps=4,
     )
     mod.merge_splits_kernel[(H, G)](
         o_part, lse_part, out, num_splits, d,
@@ -269,32 +272,70 @@ def _generated(gen: torch.Tensor, n_gen: int, dtype) -> torch.Tensor:
     return gen
 
 
-def _segment_table(stores: list[RaggedKV], device: torch.device) -> tuple[torch.Tensor, list]:
-    """The ``SEG`` table of the stage-1 kernel ([S, 5] int64 on ``device``: key, value, first
-    generated key and value address, generated rows) and the tensors it points into (to keep
-    alive until the launch). Built on the host from tensor metadata only: no device read; on
-    CUDA it travels in one asynchronous copy from pinned memory. Every address is 16-byte
-    aligned (the kernel's loads are vectorised on that promise): a tensor that is not is copied."""
+class SegmentTable(NamedTuple):
+    """The ``SEG`` table of the stage-1 kernel for some stores, with what a launch needs beside it.
+
+    seg : [S, 5] int64 on the device: per segment (KV head), the addresses of its store's keys
+        and values, of its first generated key and value row, and its generated-row count (or,
+        ``counted``, the address of that count on the device).
+    offsets, lengths : [S] int64, the segments' rows in their stores.
+    max_total : a host bound on any segment's rows (prompt + generated).
+    alive : the tensors the addresses point into (kept alive with the table).
+    """
+
+    seg: torch.Tensor
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    max_total: int
+    counted: bool
+    alive: list
+
+
+def segment_table(stores: list[RaggedKV], counts: torch.Tensor | None = None) -> SegmentTable:
+    """The address table of ``stores`` for :func:`batched_decode_attention`.
+
+    Built on the host from tensor metadata only (no device read); on CUDA it travels in one
+    asynchronous copy from pinned memory. Every address is 16-byte aligned (the kernel's loads
+    are vectorised on that promise): a tensor that is not is copied.
+
+    counts : LongTensor [len(stores)] on the device, optional
+        Each store's generated-row count, read by the kernel at every launch: the table then
+        serves every later step as long as the stores' tensors stay where they are (their
+        generated rows allocated up front), with the split count fixed by the rows' capacity,
+        so the launches of one step repeat exactly in the next (a CUDA graph can replay them).
+        No tensor may need a copy then. None: each store's ``n_gen`` now, for this step only.
+    """
     dtype = stores[0].keys.dtype
     rows, alive = [], []
-    for s in stores:
+    for i, s in enumerate(stores):
         keys, values = _rows(s.keys, dtype), _rows(s.values, dtype)
         gen_k = gen_v = None
-        if s.n_gen > 0:
-            gen_k, gen_v = _generated(s.gen_k, s.n_gen, dtype), _generated(s.gen_v, s.n_gen, dtype)
+        rows_gen = s.n_gen if counts is None else s.gen_k.shape[1]
+        if rows_gen > 0:
+            gen_k, gen_v = _generated(s.gen_k, rows_gen, dtype), _generated(s.gen_v, rows_gen, dtype)
+        if counts is not None and any(a is not None and a is not b for a, b in
+                                      zip((keys, values, gen_k, gen_v), (s.keys, s.values, s.gen_k, s.gen_v))):
+            raise ValueError("a counted segment table reads the stores in place: they need unit-stride, "
+                             "16-byte aligned rows of one dtype")
         alive += [keys, values, gen_k, gen_v]
         size = keys.element_size()
+        count = int(s.n_gen) if counts is None else counts[i:].data_ptr()
         for h in range(s.num_heads):
             gk = keys.data_ptr() if gen_k is None else gen_k.data_ptr() + h * gen_k.stride(0) * size
             gv = values.data_ptr() if gen_v is None else gen_v.data_ptr() + h * gen_v.stride(0) * size
-            rows.append((keys.data_ptr(), values.data_ptr(), gk, gv, int(s.n_gen)))
+            rows.append((keys.data_ptr(), values.data_ptr(), gk, gv, count))
+    device = stores[0].keys.device
     table = torch.tensor(rows, dtype=torch.int64)
     if device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
-    return table, alive
+    if counts is not None:
+        alive.append(counts)
+    max_total = max(s.max_length + (s.n_gen if counts is None else s.gen_k.shape[1]) for s in stores)
+    return SegmentTable(table, torch.cat([s.offsets for s in stores]), torch.cat([s.lengths for s in stores]),
+                        max_total, counts is not None, alive)
 
 
-def batched_decode_attention(q, stores: list[RaggedKV], scale=None, backend="auto"):
+def batched_decode_attention(q, stores: list[RaggedKV], scale=None, backend="auto", table: SegmentTable | None = None):
     """:func:`ragged_decode_attention` of several sequences' stores in one launch.
 
     Parameters
@@ -304,6 +345,9 @@ def batched_decode_attention(q, stores: list[RaggedKV], scale=None, backend="aut
     stores : list of RaggedKV
         Each sequence's own tensors (nothing is copied into one store): Triton reads them
         through a per-segment address table; the torch path attends store by store.
+    table : SegmentTable, optional
+        :func:`segment_table` of ``stores`` built earlier (a counted one serves many steps);
+        None: built now.
 
     Returns
     -------
@@ -319,13 +363,11 @@ def batched_decode_attention(q, stores: list[RaggedKV], scale=None, backend="aut
         return torch.cat([ragged_decode_attention_torch(p, *s[:7], scale=scale) for p, s in zip(parts, stores)])
     for p, s in zip(torch.split(q, heads), stores):
         _check(p, *s[:7])
-    seg, alive = _segment_table(stores, q.device)
-    keys = alive[0]
-    offsets = torch.cat([s.offsets for s in stores])
-    lengths = torch.cat([s.lengths for s in stores])
-    max_total = max(s.max_length + s.n_gen for s in stores)
+    table = table or segment_table(stores)
+    keys = table.alive[0]
     dummy = keys.new_empty(1, 1, keys.shape[-1])
-    return _run(q, keys, keys, dummy, dummy, offsets, lengths, seg, 0, max_total, scale, None, None)
+    return _run(q, keys, keys, dummy, dummy, table.offsets, table.lengths, table.seg, 0, table.max_total, scale,
+                None, None, counted=table.counted)
 
 
 # --------------------------------------------------------------------------- public

@@ -7,9 +7,18 @@ kernels; under the interpreter a kernel's body would otherwise show as many tens
 
 A *sync* is an op that makes the host wait for the device on CUDA: reading a value
 (``aten._local_scalar_dense``: ``.item()``, ``int()``, ``bool()``) or an op whose output shape
-depends on the data (``nonzero``, ``masked_select``, ``unique``, indexing with a boolean mask).
+depends on the data (``nonzero``, ``masked_select``, ``unique``, indexing with a boolean mask),
+or a copy from the device into host memory (``.cpu()``; a non-blocking one into pinned memory
+would not wait, but the decode path has none, so every such copy counts).
 ``.tolist()`` does not go through the dispatcher, so the watch cannot see it; the code keeps
 it out of decode steps by review.
+
+With ``trace`` the watch also keeps each op's *signature*: its name, every tensor argument's
+shape, dtype and strides (and its address, unless an op of the block made it), and every other
+argument's value. Two steps with equal traces launch the same work on the same persistent
+tensors with the same host values, which is what a CUDA graph replay of the first does for the
+second: a host value that changes per step (a count, a grid size) or a tensor reallocated
+between steps shows as a difference.
 """
 
 from __future__ import annotations
@@ -50,19 +59,45 @@ class OpWatch(TorchDispatchMode):
         Op name -> calls; launches as ``"launch:<kernel>"``.
     """
 
-    def __init__(self):
+    def __init__(self, trace: bool = False):
         super().__init__()
         self.ops: Counter = Counter()
+        self.trace: list | None = [] if trace else None
+        self._made: set[int] = set()  # addresses of tensors the block's ops returned
         self._paused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = None
         if not self._paused:
             name = str(func)
             if name == "aten.index.Tensor" and any(
                     isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
                 name = "aten.index.Tensor(bool mask)"  # sizes its output by the mask: a sync
+            elif _to_host(name, args, kwargs or {}):
+                name = f"{name}(device->host)"  # the host waits for the copy: a sync
             self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if name is not None:
+            self.record(name, args, kwargs, out)
+        return out
+
+    def record(self, name: str, args, kwargs, out=None) -> None:
+        """Add an op's signature to the trace (see the module docstring)."""
+        if self.trace is None:
+            return
+        self.trace.append((name, self._sig(args), self._sig(kwargs or {})))
+        for t in _tensors(out):
+            self._made.add(t.data_ptr())
+
+    def _sig(self, x):
+        if isinstance(x, torch.Tensor):
+            where = "made" if x.data_ptr() in self._made else x.data_ptr()
+            return ("T", tuple(x.shape), str(x.dtype), x.stride(), where)
+        if isinstance(x, (list, tuple)):
+            return tuple(self._sig(v) for v in x)
+        if isinstance(x, dict):
+            return tuple((k, self._sig(v)) for k, v in sorted(x.items()))
+        return repr(x)
 
     @contextlib.contextmanager
     def paused(self):
@@ -73,7 +108,7 @@ class OpWatch(TorchDispatchMode):
             self._paused -= 1
 
     def syncs(self) -> Counter:
-        return Counter({k: v for k, v in self.ops.items() if k in SYNC_OPS or "bool mask" in k})
+        return Counter({k: v for k, v in self.ops.items() if k in SYNC_OPS or k.endswith(("(bool mask)", "(device->host)"))})
 
     def total(self) -> int:
         return sum(self.ops.values())
@@ -82,6 +117,25 @@ class OpWatch(TorchDispatchMode):
         """Ops that run device work (kernel launches and aten ops other than views and
         allocations): what a step costs in launch latency on a GPU."""
         return sum(v for k, v in self.ops.items() if k not in FREE_OPS)
+
+
+def _to_host(name: str, args, kwargs) -> bool:
+    """Whether the op copies a device tensor into host memory (``.cpu()``, ``.to("cpu")``,
+    ``host.copy_(device)``)."""
+    if name in ("aten._to_copy.default", "aten.to.dtype_layout"):
+        target = kwargs.get("device")
+        return args[0].device.type != "cpu" and target is not None and torch.device(target).type == "cpu"
+    if name == "aten.copy_.default":
+        return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+    return False
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
 
 
 class _Launcher:
@@ -95,6 +149,7 @@ class _Launcher:
 
         def run(*args, **kwargs):
             self.watch.ops[f"launch:{self.name}"] += 1
+            self.watch.record(f"launch:{self.name}", (grid, *args), kwargs)
             with self.watch.paused():
                 return launch(*args, **kwargs)
 

@@ -205,6 +205,24 @@ def test_ask_each_batched_gives_the_one_by_one_answers(demo_loads, capsys, tmp_p
     assert [key(r) for r in again] == ["missing.mp4"]
 
 
+def test_cuda_graphs_flag_answers_as_without_it(demo_loads, capsys):
+    """``--cuda-graphs`` takes the batch decoder, for one input too (on the CPU nothing is
+    replayed): the same answers, each record saying so."""
+    from hybridkv_cli import cli
+
+    _, alone, _ = ask_lines(capsys)
+    code, graphed, _ = ask_lines(capsys, "--cuda-graphs")
+    key = lambda r: r["input"] if isinstance(r["input"], str) else r["input"]["label"]  # noqa: E731
+    assert code == 1 and {key(r): r.get("answer") for r in graphed} == {key(r): r.get("answer") for r in alone}
+    assert all(r["batch"]["cuda_graphs"] and r["batch"]["graph_replayed_steps"] == 0 for r in graphed if "answer" in r)
+    one = [str(SAMPLES / "needle.mp4"), "What colour is the star?", "--json", "--quiet", "--max-new-tokens", "4"]
+    assert cli.run(["ask", *one]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli.run(["ask", *one, "--cuda-graphs"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["answer"] == plain["answer"] and record["batch"]["size_max"] == 1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--kv-memory", "lots"], "--kv-memory: expected a size such as 4GiB or 512MB, got 'lots'"),
     (["--batch-size", "2", "-Q", "What?"], "--batch-size: decodes many inputs with one question on this device, "

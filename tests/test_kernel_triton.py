@@ -91,6 +91,32 @@ def test_batched_decode_attention(dtype, rtol):
     assert torch.count_nonzero(out[1]) == 0  # the empty head of the first store: zeros
 
 
+def test_counted_segment_table_serves_later_steps():
+    """A table built once with device counts: after new generated rows are written and the
+    counts raised in place, the same table gives the reference result at the new counts."""
+    d, G, cap = 32, 2, 8
+    stores, counts = [], torch.tensor([2, 5], device=DEV)
+    for i, lens in enumerate(([5, 0, 33], [130, 7, 1])):
+        keys, values, offsets, lengths = _store(lens, d, torch.float32, seed=i)
+        stores.append(hk.RaggedKV(keys, values, offsets, lengths, torch.randn(3, cap, d, device=DEV),
+                                  torch.randn(3, cap, d, device=DEV), int(counts[i]), max(lens)))
+    table = hk.segment_table(stores, counts)
+    q = torch.randn(6, G, d, device=DEV)
+    for _ in range(2):
+        assert_close(hk.batched_decode_attention(q, stores, backend="torch"),
+                     hk.batched_decode_attention(q, stores, backend="triton", table=table), 1e-4)
+        counts.add_(1)
+        stores = [s._replace(n_gen=s.n_gen + 1) for s in stores]
+
+
+def test_counted_segment_table_refuses_a_copy():
+    keys, values, offsets, lengths = _store([3, 9], 7, torch.float32, gap=1)
+    gen = torch.randn(2, 5, 7, device=DEV)
+    with pytest.raises(ValueError, match="in place"):
+        hk.segment_table([hk.RaggedKV(keys[1:], values[1:], offsets - 1, lengths, gen, gen, 3, 9)],
+                         torch.tensor([3], device=DEV))
+
+
 def test_batched_decode_attention_copies_what_is_not_aligned():
     """Views starting off a 16-byte boundary (odd d, a store sliced at row 1, generated rows
     whose head stride is not a multiple of 16 bytes) give the reference result."""

@@ -338,13 +338,16 @@ def test_kernels_compile_for_sm90_without_spills():
 
     bf16, i64, f32 = torch.bfloat16, torch.int64, torch.float32
     dec = load_triton_module("_decode_attention_triton")
-    for dt, table in ((bf16, False), (torch.float16, False), (bf16, True)):  # table: a batch's segments
+    # table: a batch's segments; counted: their generated-row counts read on the device
+    for dt, table, counted in ((bf16, False, False), (torch.float16, False, False), (bf16, True, False),
+                               (bf16, True, True)):
         _, report = _compile_sm90(dec.ragged_decode_stage1_kernel, dict(
             Q=dt, K=dt, V=dt, GK=dt, GV=dt, OFF=i64, LEN=i64, SEG=i64, O_PART=f32, LSE_PART=f32,
             n_gen=7, split_len=1024, qk_scale=0.1, G=7, D=128, stride_qh=896, stride_qg=128,
             stride_kt=128, stride_vt=128, stride_gkh=32768, stride_gkt=128, stride_gvh=32768,
             stride_gvt=128, stride_oh=57344, stride_os=896, stride_og=128, stride_lh=448,
-            stride_ls=7), dict(BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, UPCAST=False, PREC="tf32", TABLE=table))
+            stride_ls=7), dict(BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, UPCAST=False, PREC="tf32", TABLE=table,
+                             COUNTS=counted))
         assert " 0 bytes spill stores" in report, report
     _compile_sm90(dec.merge_splits_kernel, dict(
         O_PART=f32, LSE_PART=f32, OUT=bf16, S=64, D=128, stride_oh=57344, stride_os=896,

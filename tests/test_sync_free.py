@@ -65,3 +65,22 @@ def test_the_watch_sees_a_sync():
         t.nonzero()
     assert set(watch.syncs()) == {"aten._local_scalar_dense.default", "aten.index.Tensor(bool mask)",
                                   "aten.nonzero.default"}
+
+
+def test_the_watch_sees_a_copy_to_the_host():
+    """A device tensor copied into host memory is a sync. The CPU suite has no accelerator, so the
+    meta device stands in for one: the copy cannot run, but the watch has counted it first."""
+    import torch
+
+    from hybridkv_kernels.op_watch import OpWatch
+
+    on_device, host = torch.empty(4, device="meta"), torch.empty(4)
+    for copy in (lambda: on_device.cpu(), lambda: host.copy_(on_device)):
+        with OpWatch() as watch:
+            with pytest.raises((NotImplementedError, RuntimeError)):
+                copy()
+        assert sum(watch.syncs().values()) == 1, watch.ops
+    with OpWatch() as watch:
+        host.clone().cpu()
+        torch.empty(4, device="meta").to(torch.float16)
+    assert not watch.syncs()

@@ -92,8 +92,18 @@ class LayerKV:
 
     def next_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows ([H_kv, d] keys and values) the next generated token goes to, counted as
-        written from now on (a batch fills those of all its members in one copy)."""
+        written from now on (a single run; a batch writes at its device counts, see :meth:`advance`)."""
         return self.store.next_rows()
+
+    #: Whether a decode step of this layer repeats the same device work every step, on tensors
+    #: that stay put (no per-step host work in :meth:`segments`, retrieval by the table kernels):
+    #: a batch then builds its launch tables once and a CUDA graph can replay the step.
+    replayable = False
+
+    def advance(self) -> None:
+        """Count one generated token as appended (a batch step writes the rows on the device, at
+        a device count, before the layer is attended; this is the host's count of them)."""
+        self.store.advance()
 
     def reserve(self, rows: int) -> None:
         """Allocate room for ``rows`` more generated tokens now (a method keeps them in its

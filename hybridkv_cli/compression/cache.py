@@ -24,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hybridkv_cli.compression.base import LayerKV, Policy, PrefillLayer
 from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_cli.compression.store import tensor_bytes
-from hybridkv_kernels import batched_decode_attention
+from hybridkv_kernels import batched_decode_attention, resolve_backend, retrieval_table, segment_table
 
 ATTENTION_NAME = "hybridkv"
 CACHE_KWARG = "hybridkv_cache"  # the keyword under which the attention call receives its cache
@@ -99,11 +99,10 @@ class PolicyLayer(CacheLayerMixin):
 
 class AttendingCache(Cache):
     """A cache whose attention calls find it: :meth:`update` hands it to the attention call that
-    follows (see the module docstring), and :attr:`attention_clock` times decode attention."""
+    follows (see the module docstring)."""
 
-    def __init__(self, layers: list):
-        super().__init__(layers=layers)
-        self.attention_clock = DeviceClock()  # decode attention incl. retrieval and refresh
+    #: Times decode attention (a :class:`DeviceClock`), or None.
+    attention_clock: DeviceClock | None = None
 
     def update(self, key_states, value_states, layer_idx: int, *args, kwargs: dict | None = None, **rest):
         """Cache the new keys and values; hand this cache to the attention call that follows
@@ -111,11 +110,6 @@ class AttendingCache(Cache):
         if kwargs is not None:
             kwargs[CACHE_KWARG] = self
         return super().update(key_states, value_states, layer_idx, *args, kwargs=kwargs, **rest)
-
-    @property
-    def attention_seconds(self) -> float:
-        """Decode attention time over the generation (on CUDA read from events, at the end)."""
-        return self.attention_clock.seconds()
 
 
 class PolicyCache(AttendingCache):
@@ -131,6 +125,7 @@ class PolicyCache(AttendingCache):
 
     def __init__(self, policy: Policy, num_layers: int, visual: torch.Tensor):
         super().__init__([PolicyLayer() for _ in range(num_layers)])
+        self.attention_clock = DeviceClock()  # decode attention incl. retrieval and refresh
         self.policy = policy
         self.visual = visual
         self.run: dict = {}  # what the policy shares between the layers of this generation
@@ -158,6 +153,11 @@ class PolicyCache(AttendingCache):
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, full_bytes + self.device_bytes())
         self.compress_seconds += time.perf_counter() - start
 
+    @property
+    def attention_seconds(self) -> float:
+        """Decode attention time over the generation (on CUDA read from events, at the end)."""
+        return self.attention_clock.seconds()
+
     def summary(self) -> dict | None:
         """The policy's head report of this generation (read once, at the end)."""
         return self.policy.summary([self.reports[i] for i in sorted(self.reports)])
@@ -179,6 +179,22 @@ class PolicyCache(AttendingCache):
         for kv in self._compressed():
             kv.reserve(rows)
 
+    def advance(self) -> None:
+        """The host's count of one token fed by a batch step (its rows are written on the device)."""
+        for layer in self.layers:
+            layer.seen += 1
+            layer.kv.advance()
+
+    @property
+    def replayable(self) -> bool:
+        """Every layer's decode step repeats the same device work (``LayerKV.replayable``)."""
+        return all(kv.replayable for kv in self._compressed())
+
+    @property
+    def generated(self) -> int:
+        """Generated rows written to every layer's store so far."""
+        return self.layers[0].kv.store.n_gen
+
 
 class BatchLayer(CacheLayerMixin):
     """Layer ``index`` of a batch: the members' own layers, appended to and attended together."""
@@ -186,28 +202,27 @@ class BatchLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, index: int, members: list[PolicyCache]):
+    def __init__(self, index: int, batch: "BatchCache"):
         super().__init__()
-        self.index, self.members = index, members
-        self.kv = BatchedKV(index, members)
+        self.index, self.batch = index, batch
+        self.kv = BatchedKV(index, batch)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Every member's new token (``[B, H_kv, 1, d]``) into its own store, in one copy."""
-        rows, new = [], []
-        for b, cache in enumerate(self.members):
-            layer = cache.layers[self.index]
-            layer.seen += 1
-            rows += layer.kv.next_rows()
-            new += [key_states[b, :, 0], value_states[b, :, 0]]
-        torch._foreach_copy_(rows, new)
+        """Every member's new token (``[B, H_kv, 1, d]``) into its own store, at the row the
+        batch's device counts give (so a replayed step writes where it should)."""
+        rows = self.batch.rows
+        for b, cache in enumerate(self.batch.members):
+            store = cache.layers[self.index].kv.store
+            store.gen_k.index_copy_(1, rows[b:b + 1], key_states[b])
+            store.gen_v.index_copy_(1, rows[b:b + 1], value_states[b])
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        return max((cache.layers[self.index].seen for cache in self.members), default=0)
+        return max((cache.layers[self.index].seen for cache in self.batch.members), default=0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -219,26 +234,82 @@ class BatchLayer(CacheLayerMixin):
 class BatchedKV:
     """One layer of every member: the chunk retrieval of all members' dynamic heads in one pass
     (:meth:`DynamicHeads.refresh_all`), each member's own step work (:meth:`LayerKV.segments`),
-    then one :func:`batched_decode_attention` over all their segments."""
+    then one :func:`batched_decode_attention` over all their segments.
 
-    def __init__(self, index: int, members: list[PolicyCache]):
-        self.index, self.members = index, members
+    When the batch is :attr:`BatchCache.planned`, the launch tables of both are built at the
+    first step of its members and serve every later step: the generated-row counts are read on
+    the device, so the step's launches are the same every step (a CUDA graph can replay them).
+    """
+
+    def __init__(self, index: int, batch: "BatchCache"):
+        self.index, self.batch = index, batch
+        self.plan = None  # (retrieval table or None, segment table) of the current members
 
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        layers = [cache.layers[self.index].kv for cache in self.members]
+        batch = self.batch
+        layers = [cache.layers[self.index].kv for cache in batch.members]
         queries = query.split(query.shape[0] // len(layers))
-        DynamicHeads.refresh_all([(kv.dynamic, q, kv.store) for kv, q in zip(layers, queries) if kv.dynamic is not None])
+        dynamic = [(kv.dynamic, q, kv.store) for kv, q in zip(layers, queries) if kv.dynamic is not None]
+        if not batch.planned:
+            DynamicHeads.refresh_all(dynamic, batch.backend)
+            return batched_decode_attention(query, [kv.segments(q, scale) for kv, q in zip(layers, queries)],
+                                            scale=scale, backend=batch.backend)
+        one_pass = DynamicHeads.one_pass(dynamic)
+        if self.plan is None:
+            self.plan = retrieval_table(DynamicHeads.parts(one_pass)) if one_pass else None, None
+        DynamicHeads.refresh_all(dynamic, "triton", self.plan[0])
         parts = [kv.segments(q, scale) for kv, q in zip(layers, queries)]
-        return batched_decode_attention(query, parts, scale=scale)
+        if self.plan[1] is None:
+            self.plan = self.plan[0], segment_table(parts, batch.counts)
+        return batched_decode_attention(query, parts, scale=scale, backend="triton", table=self.plan[1])
 
 
 class BatchCache(AttendingCache):
     """The cache of a batch being decoded: :attr:`members` are the member generations' own
-    caches, in batch order (a member joins or leaves by being added to or removed from it)."""
+    caches, in batch order (:meth:`join` and :meth:`keep` change them).
 
-    def __init__(self, num_layers: int):
+    Parameters
+    ----------
+    backend : {"auto", "triton"}
+        Kernels of the step; "triton" takes the table kernels for retrieval too where "auto"
+        keeps CUDA's default gather (a CUDA graph needs the former: see :attr:`planned`).
+    """
+
+    def __init__(self, num_layers: int, device: torch.device, backend: str = "auto"):
         self.members: list[PolicyCache] = []
-        super().__init__([BatchLayer(i, self.members) for i in range(num_layers)])
+        self.backend = backend
+        # Generated rows of each member (the same in all its layers) on the device, and the row
+        # this step writes: a step's appends and attention read them, never a host count.
+        self.counts = torch.zeros(0, dtype=torch.long, device=device)
+        self.rows = torch.zeros(0, dtype=torch.long, device=device)
+        self.planned = False
+        super().__init__([BatchLayer(i, self) for i in range(num_layers)])
+
+    def join(self, cache: PolicyCache) -> None:
+        """Add a member whose generated rows are allocated for the rest of its decoding."""
+        self.members.append(cache)
+        count = torch.tensor([cache.generated], dtype=torch.long, device=self.counts.device)
+        self.counts, self.rows = torch.cat([self.counts, count]), torch.cat([self.rows, count])
+        self._replan()
+
+    def keep(self, index: list[int]) -> None:
+        """Keep the members at ``index`` (in that order); the others leave."""
+        self.members[:] = [self.members[b] for b in index]
+        at = torch.tensor(index, dtype=torch.long, device=self.counts.device)
+        self.counts, self.rows = self.counts.index_select(0, at), self.rows.index_select(0, at)
+        self._replan()
+
+    def _replan(self) -> None:
+        for layer in self.layers:
+            layer.kv.plan = None
+        probe = self.counts.new_zeros(1, dtype=torch.float32)  # (resolve by the device only)
+        self.planned = bool(self.members) and all(c.replayable for c in self.members) and (
+            resolve_backend(self.backend, probe, op="chunk_gather") == "triton")
+
+    def begin_step(self) -> None:
+        """On the device: one more generated row per member, written at ``rows``."""
+        self.counts.add_(1)
+        torch.sub(self.counts, 1, out=self.rows)
 
     def device_bytes(self) -> int:
         return sum(cache.device_bytes() for cache in self.members)
@@ -256,7 +327,8 @@ def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
         return out
     batch, q_heads, q_len, dim = query.shape  # q_len 1: a decode step (of each member of a batch)
     grouped = query[:, :, 0].reshape(batch * key.shape[1], -1, dim)
-    with cache.attention_clock.span(query.device):
+    clock = cache.attention_clock
+    with clock.span(query.device) if clock is not None else contextlib.nullcontext():
         out = layer.kv.attend(grouped, scaling)
     return out.reshape(batch, q_len, q_heads, dim), None
 

@@ -34,6 +34,10 @@ class HybridLayerKV(LayerKV):
     def _parts(self):
         return [p for p in (self.dynamic, self.refresher) if p is not None]
 
+    @property
+    def replayable(self) -> bool:
+        return self.refresher is None and (self.dynamic is None or self.dynamic.replayable)
+
     def segments(self, query: torch.Tensor, scale: float):
         if self.refresher is not None:
             self.refresher.refresh(query, self.store, scale)

@@ -15,7 +15,7 @@ import torch
 
 from hybridkv_cli.compression.landmarks import LANDMARKS, MeanLandmarks
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
-from hybridkv_kernels import RetrievalPart, chunk_gather, chunk_retrieve
+from hybridkv_kernels import RetrievalPart, RetrievalTable, chunk_gather, chunk_retrieve
 
 
 @dataclass
@@ -42,7 +42,6 @@ class DynamicHeads:
     landmarks: object
     slot_base: torch.Tensor
     resident: torch.Tensor
-    steps: int = 0
 
     def __post_init__(self):
         self.transferred = torch.zeros((), dtype=torch.long, device=self.resident.device)  # read at the end
@@ -80,20 +79,33 @@ class DynamicHeads:
         self.transferred += chunk_gather(
             self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want
         )
-        self.steps += 1
+
+    @property
+    def replayable(self) -> bool:
+        """Whether a batch step serves these heads with the table kernels (see ``LayerKV.replayable``)."""
+        return self.resident.shape[1] == 0 or isinstance(self.landmarks, MeanLandmarks)
 
     @staticmethod
-    def refresh_all(items: list[tuple["DynamicHeads", torch.Tensor, RaggedStore]]) -> None:
+    def one_pass(items: list[tuple["DynamicHeads", torch.Tensor, RaggedStore]]) -> list:
+        """The ``(heads, query, store)`` items that :func:`~hybridkv_kernels.chunk_retrieve` serves
+        in one pass: those with slots, ranked by mean landmarks."""
+        return [(d, q, s) for d, q, s in items if d.resident.shape[1] and isinstance(d.landmarks, MeanLandmarks)]
+
+    @staticmethod
+    def parts(items: list) -> list[RetrievalPart]:
+        """The retrieval parts of :meth:`one_pass` items (for a reusable ``retrieval_table``)."""
+        return [RetrievalPart(d.landmarks.codes, d.landmarks.scale, d.host_k, d.host_v, s.keys, s.values,
+                              d.slot_base, d.resident, d.transferred) for d, _, s in items]
+
+    @staticmethod
+    def refresh_all(items: list[tuple["DynamicHeads", torch.Tensor, RaggedStore]], backend: str = "auto",
+                    table: RetrievalTable | None = None) -> None:
         """:meth:`refresh` of several sequences' dynamic heads (``(heads, query, store)`` of one
-        layer each): those ranked by mean landmarks in one pass
-        (:func:`~hybridkv_kernels.chunk_retrieve`), the others one by one."""
-        one_pass = [(d, q, s) for d, q, s in items if d.resident.shape[1] and isinstance(d.landmarks, MeanLandmarks)]
+        layer each): the :meth:`one_pass` ones in one pass (with ``table``, the
+        ``retrieval_table`` of their :meth:`parts` built earlier), the others one by one."""
+        one_pass = DynamicHeads.one_pass(items)
         if one_pass:
-            chunk_retrieve([q[d.heads] for d, q, _ in one_pass],
-                           [RetrievalPart(d.landmarks.codes, d.landmarks.scale, d.host_k, d.host_v, s.keys, s.values,
-                                          d.slot_base, d.resident, d.transferred) for d, _, s in one_pass])
-            for d, _, _ in one_pass:
-                d.steps += 1
+            chunk_retrieve([q[d.heads] for d, q, _ in one_pass], DynamicHeads.parts(one_pass), backend, table)
         for d, q, s in items:
             if all(d is not other for other, _, _ in one_pass):
                 d.refresh(q, s)

@@ -99,6 +99,18 @@ class RaggedStore(LayerKV):
     def num_heads(self) -> int:
         return self.offsets.numel()
 
+    @property
+    def store(self) -> "RaggedStore":
+        """Itself: the methods that keep nothing beside their store return it as the layer."""
+        return self
+
+    replayable = True  # a store does no work of its own per step
+
+    def advance(self) -> None:
+        if self.n_gen == self.gen_k.shape[1]:
+            raise RuntimeError("a batch member's generated rows are allocated when it joins: none is left")
+        self.n_gen += 1
+
     def next_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.n_gen == self.gen_k.shape[1]:
             self.reserve(GEN_BLOCK)
