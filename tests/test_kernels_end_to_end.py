@@ -22,7 +22,8 @@ demo = build_demo()
 media = load_media(["sample_media/images/red_circle.png", "sample_media/images/blue_square.jpg"], max_pixels=56 * 56)
 prompt = build_prompt(demo.processor, media, "Which image shows a square?")
 out = {"backend": resolve_backend("auto", torch.zeros(1))}
-RETRIEVING = {"budget": 0.5, "window": 4, "theta": 1.0, "chunk_size": 4}  # every head dynamic, 5 chunks each
+# every head dynamic, 5 chunks each; mean landmarks: their scores are a kernel, one pass for a batch
+RETRIEVING = {"budget": 0.5, "window": 4, "theta": 1.0, "chunk_size": 4, "landmark": "mean"}
 for name, method, options in (("full", "full", {}), ("hybridkv", "hybridkv", {"budget": 0.3, "window": 8}),
                               ("retrieving", "hybridkv", RETRIEVING)):
     run = generate(demo.model, prompt, make_policy(method, **options), max_new_tokens=5)

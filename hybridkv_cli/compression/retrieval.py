@@ -71,19 +71,15 @@ class DynamicHeads:
         """Device bytes besides the store rows, before building (budget accounting)."""
         return LANDMARKS[landmark].bytes_for(heads, num_chunks, chunk, dim) + 8 * heads * (chunks + 2)
 
-    def refresh(self, query: torch.Tensor, store: RaggedStore) -> None:
-        """Load into the slots the top chunks for this step's ``query`` [H_kv, G, d]."""
+    def refresh(self, query: torch.Tensor, store: RaggedStore, backend: str = "auto") -> None:
+        """Load into the slots the top chunks for this step's ``query`` [H_kv, G, d] (``backend``:
+        the gather's)."""
         if self.resident.shape[1] == 0:
             return
         want = self.landmarks.top(query[self.heads], self.resident.shape[1])
         self.transferred += chunk_gather(
-            self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want
+            self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want, backend
         )
-
-    @property
-    def replayable(self) -> bool:
-        """Whether a batch step serves these heads with the table kernels (see ``LayerKV.replayable``)."""
-        return self.resident.shape[1] == 0 or isinstance(self.landmarks, MeanLandmarks)
 
     @staticmethod
     def one_pass(items: list[tuple["DynamicHeads", torch.Tensor, RaggedStore]]) -> list:
@@ -102,13 +98,14 @@ class DynamicHeads:
                     table: RetrievalTable | None = None) -> None:
         """:meth:`refresh` of several sequences' dynamic heads (``(heads, query, store)`` of one
         layer each): the :meth:`one_pass` ones in one pass (with ``table``, the
-        ``retrieval_table`` of their :meth:`parts` built earlier), the others one by one."""
+        ``retrieval_table`` of their :meth:`parts` built earlier), the others one by one; all
+        with ``backend``."""
         one_pass = DynamicHeads.one_pass(items)
         if one_pass:
             chunk_retrieve([q[d.heads] for d, q, _ in one_pass], DynamicHeads.parts(one_pass), backend, table)
         for d, q, s in items:
             if all(d is not other for other, _, _ in one_pass):
-                d.refresh(q, s)
+                d.refresh(q, s, backend)
 
     def device_bytes(self) -> int:
         return self.landmarks.device_bytes() + tensor_bytes(self.heads, self.slot_base, self.resident)
