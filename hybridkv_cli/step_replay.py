@@ -26,8 +26,8 @@ class StepReplay:
 
     Attributes
     ----------
-    captures, replays : int
-        Graphs captured and steps replayed so far (for the report).
+    replays : int
+        Steps replayed so far (for the records).
     """
 
     def __init__(self, step: Callable[[], None], enabled: bool):
@@ -35,7 +35,7 @@ class StepReplay:
         self.enabled = enabled and torch.cuda.is_available()
         self.graph = None
         self.warm = False
-        self.captures = self.replays = 0
+        self.replays = 0
 
     def reset(self) -> None:
         """The members changed: the next step runs eagerly again, the one after is captured."""
@@ -57,9 +57,5 @@ class StepReplay:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.step()
-            self.captures += 1
         self.graph.replay()
         self.replays += 1
-
-    def info(self) -> dict:
-        return {"enabled": self.enabled, "captures": self.captures, "replayed_steps": self.replays}

@@ -254,14 +254,14 @@ class BatchedKV:
             DynamicHeads.refresh_all(dynamic, batch.backend)
             return batched_decode_attention(query, [kv.segments(q, scale) for kv, q in zip(layers, queries)],
                                             scale=scale, backend=batch.backend)
-        one_pass = DynamicHeads.one_pass(dynamic)
-        if self.plan is None:
-            self.plan = retrieval_table(DynamicHeads.parts(one_pass)) if one_pass else None, None
-        DynamicHeads.refresh_all(dynamic, "triton", self.plan[0])
+        if self.plan is None:  # the members' first step: their tables, for every later one
+            one_pass = DynamicHeads.one_pass(dynamic)
+            self.plan = (retrieval_table(DynamicHeads.parts(one_pass)) if one_pass else None,
+                         segment_table([kv.store.segments() for kv in layers], batch.counts))
+        retrieval, table = self.plan
+        DynamicHeads.refresh_all(dynamic, "triton", retrieval)
         parts = [kv.segments(q, scale) for kv, q in zip(layers, queries)]
-        if self.plan[1] is None:
-            self.plan = self.plan[0], segment_table(parts, batch.counts)
-        return batched_decode_attention(query, parts, scale=scale, backend="triton", table=self.plan[1])
+        return batched_decode_attention(query, parts, scale=scale, backend="triton", table=table)
 
 
 class BatchCache(AttendingCache):
@@ -302,9 +302,8 @@ class BatchCache(AttendingCache):
     def _replan(self) -> None:
         for layer in self.layers:
             layer.kv.plan = None
-        probe = self.counts.new_zeros(1, dtype=torch.float32)  # (resolve by the device only)
         self.planned = bool(self.members) and all(c.replayable for c in self.members) and (
-            resolve_backend(self.backend, probe, op="chunk_gather") == "triton")
+            resolve_backend(self.backend, self.counts, op="chunk_gather") == "triton")
 
     def begin_step(self) -> None:
         """On the device: one more generated row per member, written at ``rows``."""
