@@ -6,6 +6,8 @@ layer. For each prompt length N and budget b (1.0 = the full cache, run through 
 - ragged_decode_attention over a store of b*N rows per head on average (head lengths vary
   +-50% around it, as HybridKV's static heads do) plus n_gen generated rows;
 - chunk_topk over C = N / c int8 landmarks per head, k = the dynamic heads' slot count;
+- quant_key_topk over every prompt token's key at 2 bits (d/4 bytes a token), single-token
+  chunks, k = the token slots of a dynamic head;
 - chunk_gather with a steady-state miss rate (``--miss``): each call swaps that share of every
   head's chunks, alternating between two wanted sets so every call moves the same bytes;
   torch (pinned staging + side stream) vs the zero-copy Triton kernel;
@@ -128,6 +130,27 @@ def bench_topk(n_prompt, budget, device, backends, timeit, iters, warmup):
     return res
 
 
+def bench_quant_keys(n_prompt, budget, device, backends, timeit, iters, warmup):
+    tokens = n_prompt - W
+    k = min(tokens, max(1, round(0.75 * budget * n_prompt - W)))
+    g = torch.Generator(device="cpu").manual_seed(2)
+    codes, low, scale = (t.to(device) for t in hk.pack_keys(torch.randn(H_KV, tokens, D, generator=g)))
+    q = torch.randn(H_KV, G, D, generator=g).to(device, DTYPE)
+    nbytes = codes.numel() + (low.numel() + scale.numel()) * 4
+    out, res = {}, []
+    for b in backends:
+        fn = lambda b=b: hk.quant_key_topk(q, codes, low, scale, 1, k, backend=b)
+        out[b] = fn()
+        ms = timeit(fn, iters, warmup)
+        res.append(dict(op="quant_key_topk", N=n_prompt, budget=budget, backend=b, ms=ms,
+                        GBps=nbytes / ms / 1e6, tokens=tokens, k=k))
+    if len(out) == 2:
+        ref = hk.quant_key_scores_torch(q, codes, low, scale, 1)
+        res[-1]["rel_err_selected_scores"] = rel_err(
+            ref.gather(1, out["torch"]).sort(1).values, ref.gather(1, out["triton"]).sort(1).values)
+    return res
+
+
 def bench_gather(n_prompt, budget, miss, device, backends, timeit, iters, warmup):
     n_chunks = (n_prompt - W) // C_TOK
     n = _slots(n_prompt, budget, n_chunks)
@@ -204,6 +227,8 @@ def main(argv=None) -> int:
                                     args.iters, args.warmup)
             rows += bench_topk(n_prompt, budget, device, backends, timeit, args.iters,
                                args.warmup)
+            if budget < 1.0:
+                rows += bench_quant_keys(n_prompt, budget, device, backends, timeit, args.iters, args.warmup)
             rows += bench_gather(n_prompt, budget, args.miss, device, backends, timeit,
                                  args.iters, args.warmup)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

@@ -1,7 +1,8 @@
-"""How much a better selection could win on pass keys: an oracle and a mass-keeping variant.
+"""How much a better selection could win on pass keys: one-shot and per-step oracles.
 
-Both are diagnostics, not methods. At budget b, on every pass-key and multi-key row of a task
-file, each variant keeps ``round(b·N)`` entries per KV head (as SnapKV does) and answers:
+All are diagnostics, not methods. At budget b, on every pass-key and multi-key row of a task
+file, each variant keeps ``round(b·N)`` entries per KV head (as SnapKV does) and answers.
+Selected once, at prefill:
 
 - ``snapkv``: the registered method.
 - ``oracle``: the window first, then the key's digit tokens and the 4 tokens before them in every
@@ -26,11 +27,13 @@ from pathlib import Path
 
 import torch
 
+import hybridkv_kernels as hk
 from benchmarks.diagnose_passkey import key_positions
 from hybridkv_cli.api import ask
 from hybridkv_cli.answers import is_correct
 from hybridkv_cli.bench import read_tasks
-from hybridkv_cli.compression.base import Compressed, LayerKV
+from hybridkv_cli.compression.base import Compressed, LayerKV, Policy
+from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_cli.compression.scoring import head_entries, window_attention
 from hybridkv_cli.compression.selection import keep_top_tiered
 from hybridkv_cli.compression.snapkv import SnapKV
@@ -96,12 +99,69 @@ class MergedTail(SnapKV):
         return Compressed(BiasedKV(keys, values, bias))
 
 
+def ranked_keys(keys: torch.Tensor, ranking: str):
+    """``logits(q [H, G, d]) -> [H, G, N]`` of one ranking of the prompt ``keys`` [H, N, d]."""
+    if ranking == "exact":
+        return lambda q: torch.einsum("hgd,hnd->hgn", q, keys)
+    if ranking == "keys":
+        codes, low, scale = hk.pack_keys(keys)
+        approx = (low[:, :, None] + scale[:, :, None] * hk.unpack_codes(codes)).transpose(1, 2)
+        return lambda q: torch.einsum("hgd,hnd->hgn", q, approx)
+    if ranking == "lowrank":
+        return LowRankKeys.build(keys, 8).logits
+    raise ValueError(f"unknown ranking {ranking!r}")
+
+
+class StepTopKV(BiasedKV):
+    """The whole prompt KV; each step attends to the window and the prompt tokens (in chunks of
+    ``chunk``) that ``rank`` puts first, plus the generated tokens."""
+
+    def __init__(self, keys, values, rank, keep: int, window: int, chunk: int):
+        super().__init__(list(keys), list(values), [keys.new_zeros(keys.shape[1])] * keys.shape[0])
+        self.rank, self.keep, self.window, self.chunk, self.prompt = rank, keep, window, chunk, keys.shape[1]
+
+    def attend(self, query, scale):
+        n, w = self.prompt, min(self.window, self.prompt)
+        best = self.rank(query).amax(dim=1)[:, : n - w]  # [H, prompt before the window]
+        chunks = best.shape[1] // self.chunk
+        scores = best[:, : chunks * self.chunk].unflatten(1, (chunks, self.chunk)).amax(2)
+        top = scores.topk(min(chunks, max(0, self.keep - w) // self.chunk), dim=1).indices
+        masked = torch.full((len(self.keys), n), float("-inf"))
+        masked[:, n - w:] = 0.0
+        rows = (top[:, :, None] * self.chunk + torch.arange(self.chunk)).flatten(1)
+        masked.scatter_(1, rows, 0.0)
+        self.bias = [torch.cat([m, b[n:]]) for m, b in zip(masked, self.bias)]
+        return super().attend(query, scale)
+
+
+@dataclass
+class StepOracle(Policy):
+    """Per-step selection over the whole prompt KV by ``ranking`` (see the module docstring)."""
+
+    ranking: str = "exact"
+    chunk: int = 1
+    window: int = 32
+
+    def compress(self, layer):
+        return Compressed(StepTopKV(layer.keys, layer.values, ranked_keys(layer.keys, self.ranking),
+                                    round(self.budget * layer.length), self.window, self.chunk))
+
+
+def step_oracle(spec: str, budget: float) -> StepOracle:
+    """``step-RANKING[:cN][@B]`` (see the module docstring)."""
+    spec, _, at = spec.partition("@")
+    ranking, _, chunk = spec.removeprefix("step-").partition(":c")
+    return StepOracle(budget=float(at) if at else budget, ranking=ranking, chunk=int(chunk or 1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", required=True)
     parser.add_argument("--budgets", default="0.1")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=2500, help="skip rows of more prompt tokens")
+    parser.add_argument("--variants", default="snapkv,oracle,merged", help="snapkv, oracle, merged, step-... "
+                        "(see the module docstring), comma-separated")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     loaded = load_model("smollm2", device="cpu")
@@ -114,15 +174,17 @@ def main() -> None:
         digits = key_positions(loaded.tokenizer, ids, task.answers[0][0])
         evidence = list(range(max(0, digits[0] - 4), digits[-1] + 1))
         for budget in [1.0] + [float(b) for b in args.budgets.split(",")]:
+            one_shot = {"snapkv": lambda: SnapKV(budget=budget), "merged": lambda: MergedTail(budget=budget),
+                        "oracle": lambda: OracleKey(budget=budget, evidence=evidence)}
             variants = {"full": "full"} if budget == 1.0 else {
-                "snapkv": SnapKV(budget=budget), "oracle": OracleKey(budget=budget, evidence=evidence),
-                "merged": MergedTail(budget=budget)}
+                name: one_shot[name]() if name in one_shot else step_oracle(name, budget)
+                for name in args.variants.split(",")}
             for name, method in variants.items():
                 r = ask(loaded, None, task.question, context=task.context, method=method,
                         max_new_tokens=args.max_new_tokens)
                 items.append({"id": task.id, "variant": name, "budget": budget, "answer": r["answer"],
                               "correct": is_correct(r["answer"], task.answers), "tokens": len(ids)})
-                print(f"{task.id:24s} {name:7s} {budget:<4g} {items[-1]['correct']!s:5} {r['answer']!r}", flush=True)
+                print(f"{task.id:24s} {name:14s} {budget:<4g} {items[-1]['correct']!s:5} {r['answer']!r}", flush=True)
     table = {}
     for i in items:
         table.setdefault(f"{i['variant']}@{i['budget']:g}", []).append(i["correct"])

@@ -21,16 +21,18 @@ import sys
 import time
 from pathlib import Path
 
-from hybridkv_cli.api import ask
-from hybridkv_cli.answers import is_correct
-from hybridkv_cli.bench import read_tasks
-from hybridkv_cli.fidelity import rouge_l
-from hybridkv_cli.models import load_model
-from hybridkv_cli.stats import bootstrap_ci, paired_diff_ci
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository root
+from benchmarks.decode import parse_method  # noqa: E402
+from hybridkv_cli.api import ask  # noqa: E402
+from hybridkv_cli.answers import is_correct  # noqa: E402
+from hybridkv_cli.bench import read_tasks  # noqa: E402
+from hybridkv_cli.fidelity import rouge_l  # noqa: E402
+from hybridkv_cli.models import load_model  # noqa: E402
+from hybridkv_cli.stats import bootstrap_ci, paired_diff_ci  # noqa: E402
 
 # name -> (method, options). "paper" is HybridKV with the paper's settings and no refresh.
 VARIANTS = {
-    "paper": ("hybridkv", {"refresh": "none", "landmark": "mean", "sink_aware": False, "chunk_size": 8}),
+    "paper": ("hybridkv", {"refresh": "none", "landmark": "mean", "sink_aware": False, "chunk_size": 8, "window": 32}),
     "hybridkv": ("hybridkv", {}),  # the shipped defaults
     "hkv-rcr": ("hybridkv", {"refresh": "rcr"}),
     "hkv-periodic": ("hybridkv", {"refresh": "periodic"}),
@@ -54,6 +56,11 @@ VARIANTS = {
     "rcr-periodic": ("rcr", {"refresh": "periodic"}),
     **{name: (name, {}) for name in ("snapkv", "lookm", "madakv", "sparsemm", "streamingllm", "quest", "retentivekv")},
 }
+
+
+def variant(name: str) -> tuple[str, dict]:
+    """A named variant, or ``method:key=value;key=value`` (any method's options)."""
+    return VARIANTS[name] if name in VARIANTS else parse_method(name.replace(";", ","))
 
 
 def run_row(loaded, task, method, options, budget, max_new_tokens) -> dict:
@@ -102,11 +109,13 @@ def main() -> None:
     parser.add_argument("--tasks", required=True)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--budgets", default="0.1")
-    parser.add_argument("--variants", default="paper,hybridkv,snapkv")
+    parser.add_argument("--variants", default="paper,hybridkv,snapkv",
+                        help="comma-separated names of VARIANTS, or method:key=value;key=value")
     parser.add_argument("--reference", help="variant the paired differences are taken against")
     parser.add_argument("--kinds", help="only these row kinds (comma-separated)")
     parser.add_argument("--rows", help="only rows START:END (after --kinds), e.g. to split a run over processes")
     parser.add_argument("--merge", nargs="+", type=Path, help="tabulate the items of earlier --out files instead")
+    parser.add_argument("--dtype", default="auto", help="the model's dtype (auto: float32 on the CPU)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="rows without their own max_new_tokens")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -115,7 +124,7 @@ def main() -> None:
         items = {key: [i for run in runs for i in run["items"].get(key, [])] for key in runs[0]["items"]}
         return report(items, args, {"tasks": runs[0]["tasks"], "model": runs[0]["model"],
                                     "budgets": runs[0]["budgets"], "variants": runs[0]["variants"]})
-    loaded = load_model(args.model, device="cpu")
+    loaded = load_model(args.model, device="cpu", dtype=args.dtype)
     tasks = read_tasks(args.tasks)
     raw = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
     if args.kinds:
@@ -127,7 +136,7 @@ def main() -> None:
     pairs = pairs[int(start or 0):int(end) if end else None]
     budgets = [float(b) for b in args.budgets.split(",")]
     names = args.variants.split(",")
-    config = {"tasks": args.tasks, "model": args.model, "budgets": budgets, "variants": {n: VARIANTS[n] for n in names}}
+    config = {"tasks": args.tasks, "model": args.model, "dtype": str(loaded.dtype), "budgets": budgets, "variants": {n: variant(n) for n in names}}
     items: dict[str, list[dict]] = {}
     full_out: dict[str, str] = {}
     for task, row in pairs:
@@ -136,7 +145,7 @@ def main() -> None:
         full_out[task.id] = full["answer"]
         items.setdefault("full", []).append({"id": task.id, "kind": row.get("kind"), "fidelity": 1.0, **full})
         for name in names:
-            method, options = VARIANTS[name]
+            method, options = variant(name)
             for budget in budgets:
                 r = run_row(loaded, task, method, options, budget, new)
                 r["fidelity"] = rouge_l(r["answer"], full["answer"])

@@ -20,18 +20,18 @@ CONTEXT = typer.Option(None, "--context", metavar="FILE", help="Ask about the te
 BUDGET = typer.Option(None, help="Device-resident prompt KV as a share of the full cache, in (0, 1] [default: 0.1; "
                       "full: always 1].")
 WINDOW = typer.Option(None, min=1, help="Methods that score with the last prompt queries (hybridkv, rcr, snapkv, "
-                      "madakv, sparsemm): observation window, always kept [default: 32].")
+                      "madakv, sparsemm): observation window, always kept [default: 32; hybridkv: 16].")
 THETA = typer.Option(None, help="HybridKV θ: heads whose sparsity score is >= θ are static [default: 0.9].")
 TOPK = typer.Option(None, help="HybridKV p: the sparsity score is the attention mass on the top p·N tokens "
                     "[default: 0.05].")
 SHARE = typer.Option(None, help="HybridKV r: a dynamic head's budget as a share of the average head budget "
                      "[default: 0.75].")
-CHUNK = typer.Option(None, min=1, help="HybridKV: tokens per retrieval chunk [default: 16, or 8 where a dynamic "
-                     "head holds fewer than two chunks of 16].")
+CHUNK = typer.Option(None, min=1, help="HybridKV: tokens per retrieval chunk [default: 1 with --landmark keys; "
+                     "else 16, or 8 where a dynamic head holds fewer than two chunks of 16].")
 SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: score heads without the first 4 "
                           "tokens (attention sinks) [default: the method's].")
-LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: mean | minmax | detector "
-                        "[default: the method's].")
+LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: keys (every token's key at 2 bits) | "
+                        "minmax | mean | detector [default: keys].")
 REFRESH = typer.Option(None, help="hybridkv (static heads) / rcr: refresh while decoding: rcr | periodic | none "
                        "[default: the method's].")
 REFRESH_RATE = typer.Option(None, min=0.0, max=1.0, help="rcr refresh: target share of layer-steps that "

@@ -6,6 +6,8 @@ Public ops (each takes ``backend="auto" | "torch" | "triton"``, see :mod:`.dispa
   plus generated tokens; :func:`dense_decode_attention` runs a full cache through it, and
   :func:`batched_decode_attention` the stores of several sequences in one launch.
 - :func:`chunk_topk` -- landmark scores (max over the query group) and top-k chunk ids.
+- :func:`quant_key_topk` -- the same from every token's key at 2 bits per channel
+  (:func:`pack_keys`): a chunk scores as its best token.
 - :func:`chunk_gather` -- load missing chunks from the host store into device slots.
 - :func:`chunk_retrieve` -- both, for the dynamic heads of several sequences in one pass.
 - :func:`window_scores` -- causal window attention + max-pooled scores (prefill; torch only).
@@ -30,6 +32,7 @@ from .decode_attention import (
     segment_table,
 )
 from .dispatch import BACKENDS, HAS_TRITON, resolve_backend, triton_interpreting
+from .quant_keys import pack_keys, quant_key_scores_torch, quant_key_topk, unpack_codes
 from .window_scores import window_scores, window_scores_torch
 
 __all__ = [
@@ -51,6 +54,9 @@ __all__ = [
     "decode_split_heuristic",
     "dense_decode_attention",
     "gather_plan",
+    "pack_keys",
+    "quant_key_scores_torch",
+    "quant_key_topk",
     "ragged_decode_attention",
     "ragged_decode_attention_torch",
     "ragged_decode_attention_triton",
@@ -58,6 +64,7 @@ __all__ = [
     "retrieval_table",
     "segment_table",
     "triton_interpreting",
+    "unpack_codes",
     "window_scores",
     "window_scores_torch",
 ]

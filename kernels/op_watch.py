@@ -47,6 +47,7 @@ KERNELS = {
     "_decode_attention_triton": ("ragged_decode_stage1_kernel", "merge_splits_kernel"),
     "_chunk_topk_triton": ("chunk_scores_kernel", "topk_select_kernel"),
     "_chunk_gather_triton": ("gather_plan_kernel", "chunk_gather_kernel"),
+    "_quant_keys_triton": ("quant_key_scores_kernel",),
 }
 
 

@@ -69,7 +69,10 @@ DEV_SHARE = 1 / 3  # of the prose (characters), and of the topics long enough to
 SPLITS = {  # split: (passkey depths, multikey depths, summaries, key range)
     "dev": ((0.1, 0.5, 0.9), (0.3, 0.7), 3, (10000, 55000)),
     "test": ((0.1, 0.3, 0.5, 0.7, 0.9), (0.1, 0.3, 0.5, 0.7, 0.9), 6, (55000, 100000)),
+    # A second, wider dev set from the dev prose (other depths, other draws): more rows to choose on.
+    "dev2": ((0.2, 0.4, 0.6, 0.8), (0.2, 0.4, 0.6, 0.8), 0, (10000, 55000)),
 }
+PROSE = {"dev": "dev", "dev2": "dev", "test": "test"}  # split -> the prose it is made from
 MULTIKEY_NEEDLE = "The secret code for the {name} is {key}."
 MULTIKEY_QUESTION = "What is the secret code for the {name}? Answer with the number only."
 MULTIKEY_KEYS = 3  # the asked one and two distractors (four: SmolLM2 picked a distractor too often)
@@ -225,7 +228,7 @@ def _draw_key(rng: random.Random, keys: tuple[int, int], text: str, used: set[in
 def make_split(split: str) -> list[dict]:
     """The rows of one split (``"dev"`` or ``"test"``), without ``tokens``."""
     passkey_depths, multikey_depths, summaries, keys = SPLITS[split]
-    by_topic = split_topics()[split]
+    by_topic = split_topics()[PROSE[split]]
     corpus = [p for paragraphs in by_topic.values() for p in paragraphs]
     rng = random.Random(f"{SEED}-{split}")
     used: set[int] = set()
@@ -269,12 +272,9 @@ def count_tokens(rows: list[dict]) -> bool:
     """Add ``tokens`` (the context's SmolLM2 token count, no special tokens) to every row; False
     (rows unchanged) where the SmolLM2 tokenizer is not installed."""
     try:
-        from transformers import AutoTokenizer
+        from hybridkv_cli.models import load_model
 
-        from hybridkv_cli.models import _smollm2_gguf
-
-        folder, file = _smollm2_gguf()
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
+        tokenizer = load_model("smollm2", device="cpu").tokenizer
     except Exception as e:  # noqa: BLE001 - optional
         print(f"no token counts (the SmolLM2 tokenizer is not available: {str(e).splitlines()[0]})")
         return False

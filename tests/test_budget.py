@@ -20,6 +20,7 @@ VARIANTS = [(name, needed(name)) for name in sorted(set(METHODS) - FULL_BY_DESIG
     ("hybridkv", {"refresh": "rcr"}),
     ("hybridkv", {"landmark": "detector"}),
     ("hybridkv", {"landmark": "minmax"}),
+    ("hybridkv", {"landmark": "mean"}),
     ("hybridkv", {"theta": 1.0}),  # every head dynamic
     ("hybridkv", {"theta": 0.0, "refresh": "rcr"}),  # every head static, refreshed
     ("rcr", {"refresh": "periodic"}),
@@ -27,14 +28,14 @@ VARIANTS = [(name, needed(name)) for name in sorted(set(METHODS) - FULL_BY_DESIG
 TOLERANCE = 0.01
 
 
-def layer(n: int, heads=3, group=3, dim=64, seed=0) -> PrefillLayer:
+def layer(n: int, heads=3, group=3, dim=64, seed=0, dtype=torch.float32) -> PrefillLayer:
     g = torch.Generator().manual_seed(seed)
     visual = torch.zeros(n, dtype=torch.bool)
     visual[8 : n - 24] = True
     keys = torch.randn(heads, n, dim, generator=g)
     keys[0, :4] *= 6  # a sink-like head
-    return PrefillLayer(index=0, num_layers=1, query=torch.randn(heads, group, n, dim, generator=g),
-                        keys=keys, values=torch.randn(heads, n, dim, generator=g), visual=visual,
+    return PrefillLayer(index=0, num_layers=1, query=torch.randn(heads, group, n, dim, generator=g).to(dtype),
+                        keys=keys.to(dtype), values=torch.randn(heads, n, dim, generator=g).to(dtype), visual=visual,
                         scale=dim**-0.5)
 
 
@@ -46,6 +47,17 @@ def test_prompt_kv_within_budget(name, options, budget, n):
     kv = make_policy(name, budget=budget, **options).compress(prefill).kv
     full = prefill.keys.nbytes + prefill.values.nbytes
     assert kv.device_bytes() <= (budget + TOLERANCE) * full, kv.device_bytes() / full
+
+
+@pytest.mark.parametrize("n", [200, 600, 4500])
+@pytest.mark.parametrize("name,options", [("hybridkv", {}), ("hybridkv", {"theta": 1.0})], ids=lambda v: str(v))
+def test_bf16_side_structures_stay_within_budget(name, options, n):
+    """In bf16 a side structure costs twice its fp32 share of the cache (2-bit keys: 1/16 of a
+    head's KV); the budget still holds."""
+    prefill = layer(n, dtype=torch.bfloat16)
+    kv = make_policy(name, budget=0.1, **options).compress(prefill).kv
+    full = prefill.keys.nbytes + prefill.values.nbytes
+    assert kv.device_bytes() <= (0.1 + TOLERANCE) * full, kv.device_bytes() / full
 
 
 @pytest.mark.parametrize("name,options", VARIANTS, ids=lambda v: str(v))

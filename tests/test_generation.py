@@ -67,7 +67,8 @@ def test_memory_at_budget_point_one(demo, prompts):
     assert prompt.length >= 2000
     # The paper's setting: only dynamic heads offload (refreshed static heads would add theirs).
     result = ask(demo, load_media([SAMPLES / "shapes.mp4"]), "What happens in the video?",
-                 method="hybridkv", budget=0.1, max_new_tokens=4, sink_aware=False, chunk_size=8, refresh="none")
+                 method="hybridkv", budget=0.1, max_new_tokens=4, sink_aware=False, chunk_size=8, refresh="none",
+                 window=32, landmark="mean")
     kv, heads = result["kv"], result["heads"]
     cfg = demo.model.config.get_text_config()
     dim = cfg.hidden_size // cfg.num_attention_heads

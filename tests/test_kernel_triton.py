@@ -195,6 +195,25 @@ def test_chunk_topk_ties_match_reference_exactly():
         assert torch.equal(ids, hk.chunk_topk(q, lm, k, backend="torch")), k
 
 
+@pytest.mark.parametrize("G,P,d,chunk,k", [(1, 40, 64, 1, 7), (7, 160, 128, 4, 9), (3, 48, 32, 16, 2),
+                                          (9, 300, 64, 2, 64)])
+def test_quant_key_topk(G, P, d, chunk, k):
+    """The packed 2-bit scores kernel (several token blocks, a partial last one) against the
+    torch reference; the selection then as ``chunk_topk``'s."""
+    from hybridkv_kernels.quant_keys import _launch_scores
+
+    H = 3
+    g = torch.Generator().manual_seed(P)
+    q, keys = torch.randn(H, G, d, generator=g).to(DEV), torch.randn(H, P, d, generator=g).to(DEV)
+    codes, low, scale = hk.pack_keys(keys)
+    ref = hk.quant_key_scores_torch(q, codes, low, scale, chunk)
+    assert_close(ref, _launch_scores(q, codes, low, scale, chunk, block_p=32), 1e-5)
+    ids = hk.quant_key_topk(q, codes, low, scale, chunk, k, backend="triton")
+    ref_ids = hk.quant_key_topk(q, codes, low, scale, chunk, k, backend="torch")
+    assert ids.shape == ref_ids.shape and torch.all(ids[:, 1:] > ids[:, :-1])
+    assert_close(ref.gather(1, ref_ids).sort(1).values, ref.gather(1, ids).sort(1).values, 1e-5)
+
+
 # --------------------------------------------------------------------------- chunk gather
 
 

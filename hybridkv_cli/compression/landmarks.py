@@ -10,6 +10,9 @@ for a query; they differ in how sharply one strongly matching token inside a chu
   bound ``sum_d max(q_d·min_d, q_d·max_d)`` of any key's logit in the chunk. Twice the bytes.
 * ``detector``: the low-rank keys of every token (:class:`LowRankKeys`); score = the chunk's
   best token. About the bytes of ``mean`` at c = 8 and R = 8, resolved to single tokens.
+* ``keys``: every token's key at 2 bits per channel (:class:`QuantKeys`); score = the chunk's
+  best token. ``d/4`` bytes a token (1/32 of its fp32 KV, 1/16 of its bf16 KV), sharp enough
+  to rank single tokens: with 1- or 2-token chunks it keeps what exact top-k attention keeps.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_cli.compression.store import tensor_bytes
-from hybridkv_kernels import chunk_topk
+from hybridkv_kernels import chunk_topk, pack_keys, quant_key_topk
 
 DETECTOR_RANK = 8
 
@@ -124,4 +127,31 @@ class TokenDetector:
         return self.keys.device_bytes()
 
 
-LANDMARKS = {"mean": MeanLandmarks, "minmax": MinMaxLandmarks, "detector": TokenDetector}
+@dataclass
+class QuantKeys:
+    """Every token's key at 2 bits per channel (:func:`hybridkv_kernels.pack_keys`): one range
+    per channel of a head, over the prompt (channels differ in spread far more than tokens do,
+    as in KIVI's per-channel key quantisation); a chunk scores as its best token."""
+
+    codes: torch.Tensor  # uint8 [H, d/4, P]
+    low: torch.Tensor  # [H, d] fp32
+    scale: torch.Tensor  # [H, d] fp32
+    chunk: int
+
+    @classmethod
+    def build(cls, chunks: torch.Tensor) -> "QuantKeys":
+        heads, num_chunks, chunk, dim = chunks.shape
+        return cls(*pack_keys(chunks.reshape(heads, num_chunks * chunk, dim)), chunk)
+
+    @staticmethod
+    def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
+        return heads * (num_chunks * chunk * dim // 4 + 2 * dim * 4)
+
+    def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
+        return quant_key_topk(query, self.codes, self.low, self.scale, self.chunk, n)
+
+    def device_bytes(self) -> int:
+        return tensor_bytes(self.codes, self.low, self.scale)
+
+
+LANDMARKS = {"keys": QuantKeys, "minmax": MinMaxLandmarks, "mean": MeanLandmarks, "detector": TokenDetector}

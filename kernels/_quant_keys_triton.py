@@ -1,0 +1,41 @@
+"""Triton kernel of ``quant_key_topk``'s scores (launcher and torch reference: ``quant_keys.py``)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quant_key_scores_kernel(
+    Q, CODES, LOW, SCALE, SCORES, G, P, D,
+    stride_qh, stride_qg, stride_ch, stride_cj, stride_sh,
+    CHUNK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """SCORES[h, c] = max over the group and the chunk's tokens of q · (low + scale * code).
+
+    One program per (head, block of BLOCK_P tokens): the packed bytes [d/4, BLOCK_P] are read
+    once per channel (four channels a byte, from cache after the first) and unpacked in
+    registers; the logits are one ``tl.dot`` of the scaled queries (group padded to 16 rows)
+    with the codes, plus ``q · low``.
+    """
+    h = tl.program_id(0)
+    pb = tl.program_id(1)
+    off_g = tl.arange(0, BLOCK_G)
+    off_d = tl.arange(0, BLOCK_D)
+    off_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_g = off_g < G
+    mask_d = off_d < D
+    mask_p = off_p < P
+    q = tl.load(Q + h * stride_qh + off_g[:, None] * stride_qg + off_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    low = tl.load(LOW + h * D + off_d, mask=mask_d, other=0.0)
+    scale = tl.load(SCALE + h * D + off_d, mask=mask_d, other=0.0)
+    bias = tl.sum(q * low[None, :], 1)  # [BLOCK_G]
+    byte = tl.load(CODES + h * stride_ch + (off_d // 4)[:, None] * stride_cj + off_p[None, :],
+                   mask=mask_d[:, None] & mask_p[None, :], other=0).to(tl.int32)
+    code = ((byte >> ((off_d % 4) * 2)[:, None]) & 3).to(tl.float32)  # [BLOCK_D, BLOCK_P]
+    s = tl.dot(q * scale[None, :], code, input_precision="ieee") + bias[:, None]
+    s = tl.where(mask_g[:, None], s, float("-inf"))
+    best = tl.max(s, 0)  # [BLOCK_P]
+    best = tl.max(tl.reshape(best, [BLOCK_P // CHUNK, CHUNK]), 1)
+    off_c = pb * (BLOCK_P // CHUNK) + tl.arange(0, BLOCK_P // CHUNK)
+    tl.store(SCORES + h * stride_sh + off_c, best, mask=off_c < P // CHUNK)
