@@ -134,18 +134,18 @@ def bench_quant_keys(n_prompt, budget, device, backends, timeit, iters, warmup):
     tokens = n_prompt - W
     k = min(tokens, max(1, round(0.75 * budget * n_prompt - W)))
     g = torch.Generator(device="cpu").manual_seed(2)
-    codes, low, scale = (t.to(device) for t in hk.pack_keys(torch.randn(H_KV, tokens, D, generator=g)))
+    codes, bounds = (t.to(device) for t in hk.pack_keys(torch.randn(H_KV, tokens, D, generator=g)))
     q = torch.randn(H_KV, G, D, generator=g).to(device, DTYPE)
-    nbytes = codes.numel() + (low.numel() + scale.numel()) * 4
+    nbytes = codes.numel() + bounds.numel() * 4
     out, res = {}, []
     for b in backends:
-        fn = lambda b=b: hk.quant_key_topk(q, codes, low, scale, 1, k, backend=b)
+        fn = lambda b=b: hk.quant_key_topk(q, codes, bounds, 1, k, backend=b)
         out[b] = fn()
         ms = timeit(fn, iters, warmup)
         res.append(dict(op="quant_key_topk", N=n_prompt, budget=budget, backend=b, ms=ms,
                         GBps=nbytes / ms / 1e6, tokens=tokens, k=k))
     if len(out) == 2:
-        ref = hk.quant_key_scores_torch(q, codes, low, scale, 1)
+        ref = hk.quant_key_scores_torch(q, codes, bounds, 1)
         res[-1]["rel_err_selected_scores"] = rel_err(
             ref.gather(1, out["torch"]).sort(1).values, ref.gather(1, out["triton"]).sort(1).values)
     return res

@@ -104,7 +104,8 @@ def ranked_keys(keys: torch.Tensor, ranking: str):
     if ranking == "exact":
         return lambda q: torch.einsum("hgd,hnd->hgn", q, keys)
     if ranking == "keys":
-        codes, low, scale = hk.pack_keys(keys)
+        codes, bounds = hk.pack_keys(keys)
+        low, scale = bounds.unbind(1)
         approx = (low[:, :, None] + scale[:, :, None] * hk.unpack_codes(codes)).transpose(1, 2)
         return lambda q: torch.einsum("hgd,hnd->hgn", q, approx)
     if ranking == "lowrank":

@@ -6,19 +6,28 @@ import triton.language as tl
 
 @triton.jit
 def quant_key_scores_kernel(
-    Q, CODES, LOW, SCALE, SCORES, G, P, D,
+    Q, CODES, BOUNDS, SCORES, TAB, G, P, D,
     stride_qh, stride_qg, stride_ch, stride_cj, stride_sh,
     CHUNK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    TABLE: tl.constexpr = False,
 ):
     """SCORES[h, c] = max over the group and the chunk's tokens of q · (low + scale * code).
 
     One program per (head, block of BLOCK_P tokens): the packed bytes [d/4, BLOCK_P] are read
     once per channel (four channels a byte, from cache after the first) and unpacked in
     registers; the logits are one ``tl.dot`` of the scaled queries (group padded to 16 rows)
-    with the codes, plus ``q · low``.
+    with the codes, plus ``q · low``. ``TABLE`` (``chunk_retrieve``): row h's codes, bounds and
+    chunk count are its own (TAB columns 0, 1, 2 of batched_retrieval.COLUMNS).
     """
     h = tl.program_id(0)
     pb = tl.program_id(1)
+    codes_row = CODES + h * stride_ch
+    bounds_row = BOUNDS + h * 2 * D
+    if TABLE:
+        codes_row = tl.load(TAB + h * 12).to(tl.pointer_type(tl.uint8))
+        bounds_row = tl.load(TAB + h * 12 + 1).to(tl.pointer_type(tl.float32))
+        P = tl.load(TAB + h * 12 + 2).to(tl.int32) * CHUNK
+        stride_cj = P
     off_g = tl.arange(0, BLOCK_G)
     off_d = tl.arange(0, BLOCK_D)
     off_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -27,10 +36,10 @@ def quant_key_scores_kernel(
     mask_p = off_p < P
     q = tl.load(Q + h * stride_qh + off_g[:, None] * stride_qg + off_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    low = tl.load(LOW + h * D + off_d, mask=mask_d, other=0.0)
-    scale = tl.load(SCALE + h * D + off_d, mask=mask_d, other=0.0)
+    low = tl.load(bounds_row + off_d, mask=mask_d, other=0.0)
+    scale = tl.load(bounds_row + D + off_d, mask=mask_d, other=0.0)
     bias = tl.sum(q * low[None, :], 1)  # [BLOCK_G]
-    byte = tl.load(CODES + h * stride_ch + (off_d // 4)[:, None] * stride_cj + off_p[None, :],
+    byte = tl.load(codes_row + (off_d // 4)[:, None] * stride_cj + off_p[None, :],
                    mask=mask_d[:, None] & mask_p[None, :], other=0).to(tl.int32)
     code = ((byte >> ((off_d % 4) * 2)[:, None]) & 3).to(tl.float32)  # [BLOCK_D, BLOCK_P]
     s = tl.dot(q * scale[None, :], code, input_precision="ieee") + bias[:, None]

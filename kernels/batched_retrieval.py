@@ -6,7 +6,8 @@ and byte counter, each its own tensors. :func:`chunk_retrieve` does for every pa
 loaded into the head's ``n`` slots, hits kept), the parts' chunk counts, slot counts and chunk
 lengths all differing. The Triton path is four launches for all parts (scores, top-k, plan,
 copy), each kernel the single-sequence one reading its rows through a table of addresses
-(``TABLE`` mode); the torch path runs the parts one by one.
+(``TABLE`` mode; the scores from int8 mean keys or from 2-bit keys, one kind per pass); the
+torch path runs the parts one by one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from .chunk_gather import chunk_gather
 from .chunk_topk import chunk_topk
 from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
+from .quant_keys import launch_scores, quant_key_topk
 
 __all__ = ["RetrievalPart", "RetrievalTable", "chunk_retrieve", "retrieval_table"]
 
@@ -27,11 +29,13 @@ COLUMNS = ("landmarks", "landmark_scale", "chunks", "slots", "resident", "moved"
 
 
 class RetrievalPart(NamedTuple):
-    """One sequence's dynamic heads in a layer (the arguments of ``chunk_topk`` and ``chunk_gather``).
+    """One sequence's dynamic heads in a layer (the arguments of ``chunk_topk`` or
+    ``quant_key_topk``, and ``chunk_gather``).
 
-    landmarks [H, C, d] int8 with landmark_scale [H, C]; host_k, host_v [H, C, c, d]; store_k,
-    store_v [T, d]; slot_base [H]; resident [H, n] (updated in place); moved: 0-d int64, the
-    part's byte counter (added to in place).
+    landmarks [H, C, d] int8 with landmark_scale [H, C] (mean keys), or the 2-bit keys of
+    ``pack_keys``: uint8 codes [H, d/4, C·c] with their bounds [H, 2, d]; host_k, host_v
+    [H, C, c, d]; store_k, store_v [T, d]; slot_base [H]; resident [H, n] (updated in place);
+    moved: 0-d int64, the part's byte counter (added to in place).
     """
 
     landmarks: torch.Tensor
@@ -60,9 +64,12 @@ def retrieval_table(parts: list[RetrievalPart]) -> RetrievalTable:
     points at is updated in place), so one table serves every step of the same parts."""
     first = parts[0]
     if any(p.host_k.dtype != first.host_k.dtype or p.store_k.dtype != first.host_k.dtype
-           or p.landmarks.dtype != torch.int8 or p.landmark_scale.dtype != torch.float32 for p in parts):
-        raise ValueError("chunk_retrieve needs int8 landmarks with fp32 scales and one dtype for every host chunk "
-                         "and store")
+           or p.landmarks.dtype != first.landmarks.dtype or p.landmarks.dtype not in (torch.int8, torch.uint8)
+           or p.landmark_scale.dtype != torch.float32 for p in parts):
+        raise ValueError("chunk_retrieve needs one kind of landmarks (int8 mean keys or 2-bit keys) with fp32 scales "
+                         "and one dtype for every host chunk and store")
+    if _two_bit(first) and any(p.host_k.shape[2] != first.host_k.shape[2] for p in parts):
+        raise ValueError("chunk_retrieve needs one chunk length for every part ranked by 2-bit keys")
     rows = []
     for p in parts:
         for t in (p.landmarks, p.landmark_scale, p.host_k, p.host_v, p.resident, p.slot_base):
@@ -102,8 +109,15 @@ def chunk_retrieve(queries: list[torch.Tensor], parts: list[RetrievalPart], back
     _launch(torch.cat(queries), parts[0], table or retrieval_table(parts))
 
 
+def _two_bit(part: RetrievalPart) -> bool:
+    return part.landmarks.dtype == torch.uint8
+
+
 def _one(q: torch.Tensor, p: RetrievalPart, backend: str) -> None:
-    want = chunk_topk(q, p.landmarks, p.resident.shape[1], landmark_scale=p.landmark_scale, backend=backend)
+    if _two_bit(p):
+        want = quant_key_topk(q, p.landmarks, p.landmark_scale, p.host_k.shape[2], p.resident.shape[1], backend)
+    else:
+        want = chunk_topk(q, p.landmarks, p.resident.shape[1], landmark_scale=p.landmark_scale, backend=backend)
     p.moved.add_(chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want,
                               backend=backend))
 
@@ -119,12 +133,16 @@ def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable) -> None:
     want = torch.full((rows, n_max), -1, dtype=torch.int64, device=dev)
     assign = torch.full((rows, n_max), -1, dtype=torch.int64, device=dev)
     block_c, block_d = 64, max(16, next_power_of_2(d))
-    mod_top.chunk_scores_kernel[(rows, cdiv(c_max, block_c))](
-        q, first.landmarks, first.landmark_scale, scores, table, group, c_max, d,
-        q.stride(0), q.stride(1), 0, d, 0, scores.stride(0),
-        HAS_SCALE=True, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_C=block_c, BLOCK_D=block_d, TABLE=True,
-        num_warps=4,
-    )
+    if _two_bit(first):
+        scores = launch_scores(q, first.landmarks, first.landmark_scale, chunk_max, table=table,
+                               tokens=c_max * chunk_max)
+    else:
+        mod_top.chunk_scores_kernel[(rows, cdiv(c_max, block_c))](
+            q, first.landmarks, first.landmark_scale, scores, table, group, c_max, d,
+            q.stride(0), q.stride(1), 0, d, 0, scores.stride(0),
+            HAS_SCALE=True, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_C=block_c, BLOCK_D=block_d, TABLE=True,
+            num_warps=4,
+        )
     block_s = next_power_of_2(min(1024, c_max))
     mod_top.topk_select_kernel[(rows,)](
         scores, want, table, c_max, n_max, scores.stride(0), want.stride(0),

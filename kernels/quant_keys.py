@@ -7,7 +7,7 @@ token shows as sharply as in exact attention; the top chunks are then chosen as
 :func:`~hybridkv_kernels.chunk_topk` chooses them (same tie rule, ids ascending).
 
 The Triton kernel reads the packed bytes (1/16 of a bf16 key and value) and unpacks them in
-registers; the torch reference unpacks them into an fp32 matrix.
+registers; the torch reference unpacks them into fp32, a tile of tokens at a time.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
 __all__ = ["pack_keys", "quant_key_scores_torch", "quant_key_topk", "unpack_codes"]
 
 SHIFTS = (0, 2, 4, 6)  # channel 4j + s sits at bits 2s of byte j
+TILE_TOKENS = 512  # tokens the torch path unpacks at a time
 
 
-def pack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``keys`` [H, P, d] (d divisible by 4) at 2 bits per channel.
 
-    Returns ``(codes, low, scale)``: uint8 [H, d/4, P] (byte ``j`` of token ``p`` holds channels
+    Returns ``(codes, bounds)``: uint8 [H, d/4, P] (byte ``j`` of token ``p`` holds channels
     ``4j .. 4j+3``, low bits first; channel-major, so a query's product is one matmul), and fp32
-    [H, d] with ``k ≈ low + scale * code``.
+    [H, 2, d], each channel's ``low`` and ``scale`` with ``k ≈ low + scale * code``.
     """
     heads, tokens, dim = keys.shape
     if dim % 4:
@@ -38,7 +39,7 @@ def pack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     codes = torch.round((k - low[:, None]) / scale[:, None]).clamp_(0, 3).to(torch.uint8)
     fours = codes.transpose(1, 2).unflatten(1, (dim // 4, 4))  # [H, d/4, 4, P]
     packed = fours[:, :, 0] | fours[:, :, 1] << 2 | fours[:, :, 2] << 4 | fours[:, :, 3] << 6
-    return packed.contiguous(), low, scale
+    return packed.contiguous(), torch.stack([low, scale], dim=1)
 
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -47,56 +48,77 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     return ((codes.unsqueeze(2) >> shifts) & 3).flatten(1, 2).float()
 
 
-def _check(q, codes, low, scale, chunk):
+def _check(q, codes, bounds, chunk):
     H, G, d = q.shape
     if codes.dim() != 3 or codes.shape[:2] != (H, d // 4) or codes.dtype != torch.uint8:
         raise ValueError(f"codes must be uint8 [H, d/4, P] = [{H}, {d // 4}, P], got {tuple(codes.shape)} {codes.dtype}")
-    if low.shape != (H, d) or scale.shape != (H, d):
-        raise ValueError(f"low and scale must be [{H}, {d}], got {tuple(low.shape)}, {tuple(scale.shape)}")
+    if bounds.shape != (H, 2, d):
+        raise ValueError(f"bounds must be [{H}, 2, {d}], got {tuple(bounds.shape)}")
     if chunk < 1 or codes.shape[2] % chunk:
         raise ValueError(f"{codes.shape[2]} tokens do not split into chunks of {chunk}")
 
 
-def quant_key_scores_torch(q, codes, low, scale, chunk: int) -> torch.Tensor:
+def quant_key_scores_torch(q, codes, bounds, chunk: int) -> torch.Tensor:
     """Chunk scores [H, C] fp32: ``max_g max_t q[h, g] · (low + scale * code[h, :, t])`` over
-    the ``chunk`` tokens of each chunk."""
-    _check(q, codes, low, scale, chunk)
+    the ``chunk`` tokens of each chunk.
+
+    Tiled over the tokens, about 512 at a time: the unpacked fp32 codes of a whole long prompt
+    (16 bytes a channel-token) would be a fresh allocation of tens of MB a step, whose first
+    touch costs more than the arithmetic (5x slower at 16k tokens on the CPU); a tile stays in
+    cache and in the allocator's reuse.
+    """
+    _check(q, codes, bounds, chunk)
     qf = q.float()
-    logits = torch.bmm(qf * scale[:, None], unpack_codes(codes)) + (qf * low[:, None]).sum(-1, keepdim=True)
-    return logits.amax(dim=1).unflatten(1, (-1, chunk)).amax(dim=2)
-
-
-def _launch_scores(q, codes, low, scale, chunk: int, block_p: int | None = None) -> torch.Tensor:
-    _check(q, codes, low, scale, chunk)
-    mod = load_triton_module("_quant_keys_triton")
-    H, G, d = q.shape
+    low, scale = bounds.float().unbind(1)
+    scaled, bias = qf * scale[:, None], (qf * low[:, None]).sum(-1, keepdim=True)
     tokens = codes.shape[2]
-    scores = torch.empty(H, tokens // chunk, dtype=torch.float32, device=q.device)
-    if H == 0 or tokens == 0:
-        return scores
+    tile = chunk * max(1, TILE_TOKENS // chunk)
+    best = torch.empty(q.shape[0], tokens, dtype=torch.float32, device=q.device)
+    for start in range(0, tokens, tile):
+        part = codes[:, :, start:start + tile]
+        best[:, start:start + part.shape[2]] = (torch.bmm(scaled, unpack_codes(part)) + bias).amax(dim=1)
+    return best.unflatten(1, (-1, chunk)).amax(dim=2)
+
+
+def launch_scores(q, codes, bounds, chunk: int, *, table=None, tokens: int | None = None,
+                  block_p: int | None = None) -> torch.Tensor:
+    """The Triton scores kernel: [rows, C] fp32.
+
+    ``table`` (``TABLE`` mode, see ``batched_retrieval.py``): each row of ``q`` reads its own codes
+    and bounds (``codes``/``bounds`` then only give the element types) and ``tokens`` is the
+    largest token count among the rows; the scores of a row's missing chunks are left unwritten.
+    """
+    rows, G, d = q.shape
+    if table is None:
+        _check(q, codes, bounds, chunk)
+        tokens = codes.shape[2]
     if chunk & (chunk - 1):
         raise RuntimeError(f"the Triton 2-bit key scores need a power-of-two chunk, got {chunk}")
+    mod = load_triton_module("_quant_keys_triton")
+    scores = torch.empty(rows, tokens // chunk, dtype=torch.float32, device=q.device)
+    if rows == 0 or tokens == 0:
+        return scores
     q = q if q.stride(-1) == 1 else q.contiguous()
     codes = codes if codes.stride(-1) == 1 else codes.contiguous()
-    low, scale = low.float().contiguous(), scale.float().contiguous()
+    bounds = bounds.float().contiguous()
     block_p = max(16, chunk, next_power_of_2(block_p or 128))
-    mod.quant_key_scores_kernel[(H, cdiv(tokens, block_p))](
-        q, codes, low, scale, scores, G, tokens, d,
+    mod.quant_key_scores_kernel[(rows, cdiv(tokens, block_p))](
+        q, codes, bounds, scores, scores if table is None else table, G, tokens, d,
         q.stride(0), q.stride(1), codes.stride(0), codes.stride(1), scores.stride(0),
         CHUNK=chunk, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_P=block_p,
-        BLOCK_D=max(16, next_power_of_2(d)), num_warps=4,
+        BLOCK_D=max(16, next_power_of_2(d)), TABLE=table is not None, num_warps=4,
     )
     return scores
 
 
-def quant_key_topk(q, codes, low, scale, chunk: int, k: int, backend: str = "auto") -> torch.Tensor:
+def quant_key_topk(q, codes, bounds, chunk: int, k: int, backend: str = "auto") -> torch.Tensor:
     """Top-``k`` chunks per head by their best 2-bit-key logit.
 
     Parameters
     ----------
     q : Tensor [H, G, d]
         Decode queries, grouped by KV head.
-    codes, low, scale
+    codes, bounds
         A head's prompt keys as :func:`pack_keys` gives them (P = C · chunk tokens).
     chunk : int
         Tokens per chunk.
@@ -110,7 +132,7 @@ def quant_key_topk(q, codes, low, scale, chunk: int, k: int, backend: str = "aut
         Chunk ids, ascending per head; ties: lowest id wins (as :func:`chunk_topk`).
     """
     if resolve_backend(backend, q, codes) == "triton":
-        scores = _launch_scores(q, codes, low, scale, chunk)
+        scores = launch_scores(q, codes, bounds, chunk)
         mod = load_triton_module("_chunk_topk_triton")
         H, C = scores.shape
         kk = min(int(k), C)
@@ -120,4 +142,4 @@ def quant_key_topk(q, codes, low, scale, chunk: int, k: int, backend: str = "aut
             mod.topk_select_kernel[(H,)](scores, ids, ids, C, kk, scores.stride(0), ids.stride(0),
                                          BLOCK=block, num_warps=4)
         return ids
-    return _topk_ids_from_scores(quant_key_scores_torch(q, codes, low, scale, chunk), k)
+    return _topk_ids_from_scores(quant_key_scores_torch(q, codes, bounds, chunk), k)

@@ -200,16 +200,16 @@ def test_chunk_topk_ties_match_reference_exactly():
 def test_quant_key_topk(G, P, d, chunk, k):
     """The packed 2-bit scores kernel (several token blocks, a partial last one) against the
     torch reference; the selection then as ``chunk_topk``'s."""
-    from hybridkv_kernels.quant_keys import _launch_scores
+    from hybridkv_kernels.quant_keys import launch_scores
 
     H = 3
     g = torch.Generator().manual_seed(P)
     q, keys = torch.randn(H, G, d, generator=g).to(DEV), torch.randn(H, P, d, generator=g).to(DEV)
-    codes, low, scale = hk.pack_keys(keys)
-    ref = hk.quant_key_scores_torch(q, codes, low, scale, chunk)
-    assert_close(ref, _launch_scores(q, codes, low, scale, chunk, block_p=32), 1e-5)
-    ids = hk.quant_key_topk(q, codes, low, scale, chunk, k, backend="triton")
-    ref_ids = hk.quant_key_topk(q, codes, low, scale, chunk, k, backend="torch")
+    codes, bounds = hk.pack_keys(keys)
+    ref = hk.quant_key_scores_torch(q, codes, bounds, chunk)
+    assert_close(ref, launch_scores(q, codes, bounds, chunk, block_p=32), 1e-5)
+    ids = hk.quant_key_topk(q, codes, bounds, chunk, k, backend="triton")
+    ref_ids = hk.quant_key_topk(q, codes, bounds, chunk, k, backend="torch")
     assert ids.shape == ref_ids.shape and torch.all(ids[:, 1:] > ids[:, :-1])
     assert_close(ref.gather(1, ref_ids).sort(1).values, ref.gather(1, ids).sort(1).values, 1e-5)
 
@@ -288,16 +288,19 @@ def test_auto_uses_interpreter_on_cpu():
 # --------------------------------------------------------------------------- retrieval of many sequences
 
 
-def _retrieval_part(heads, chunks, chunk, slots, d, dtype, seed):
-    """One sequence's dynamic heads: int8 landmarks, host chunks, a store with its slots after
-    some other rows, half the slots already holding a chunk."""
+def _retrieval_part(heads, chunks, chunk, slots, d, dtype, seed, two_bit=False):
+    """One sequence's dynamic heads: int8 landmarks (or its keys at 2 bits), host chunks, a store
+    with its slots after some other rows, half the slots already holding a chunk."""
     g = torch.Generator().manual_seed(seed)
     host_k = torch.randn(heads, chunks, chunk, d, generator=g).to(dtype)
     host_v = torch.randn(heads, chunks, chunk, d, generator=g).to(dtype)
+    if two_bit:
+        codes, scale = (t.to(DEV) for t in hk.pack_keys(host_k.flatten(1, 2)))
+    else:
+        codes = torch.randint(-127, 128, (heads, chunks, d), generator=g, dtype=torch.int8).to(DEV)
+        scale = (torch.rand(heads, chunks, generator=g) + 0.5).to(DEV)
     if DEV.type == "cuda":
         host_k, host_v = host_k.pin_memory(), host_v.pin_memory()
-    codes = torch.randint(-127, 128, (heads, chunks, d), generator=g, dtype=torch.int8).to(DEV)
-    scale = (torch.rand(heads, chunks, generator=g) + 0.5).to(DEV)
     rows = slots * chunk
     slot_base = (torch.arange(heads) * (rows + 3) + 2).to(DEV)
     store_k = torch.zeros(heads * (rows + 3) + 2, d, dtype=dtype, device=DEV)
@@ -324,6 +327,28 @@ def test_chunk_retrieve_is_each_part_alone(dtype):
         hk.chunk_retrieve(list(torch.split(q * (step + 1), [2, 1, 3])), parts, backend="triton")
         for p, rows in zip(alone, torch.split(q * (step + 1), [2, 1, 3])):
             want = hk.chunk_topk_triton(rows, p.landmarks, p.resident.shape[1], p.landmark_scale)
+            p.moved.add_(hk.chunk_gather_triton(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident,
+                                                want))
+        for a, b in zip(parts, alone):
+            assert torch.equal(a.resident, b.resident) and int(a.moved) == int(b.moved) > 0
+            assert torch.equal(a.store_k, b.store_k) and torch.equal(a.store_v, b.store_v)
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_chunk_retrieve_with_two_bit_keys_is_each_part_alone(chunk):
+    """Parts ranked by 2-bit keys (different head, token and slot counts), in one pass: the slots,
+    resident ids and byte counts of quant_key_topk + chunk_gather part by part."""
+    d, G = 16, 3
+    parts = [_retrieval_part(2, 48, chunk, 8, d, torch.float32, 0, True),
+             _retrieval_part(1, 150, chunk, 12, d, torch.float32, 1, True),
+             _retrieval_part(3, 20, chunk, 4, d, torch.float32, 2, True)]
+    alone = [_copy(p) for p in parts]
+    q = torch.randn(6, G, d).to(DEV)
+    for step in range(2):
+        table = hk.retrieval_table(parts)
+        hk.chunk_retrieve(list(torch.split(q * (step + 1), [2, 1, 3])), parts, backend="triton", table=table)
+        for p, rows in zip(alone, torch.split(q * (step + 1), [2, 1, 3])):
+            want = hk.quant_key_topk(rows, p.landmarks, p.landmark_scale, chunk, p.resident.shape[1], "triton")
             p.moved.add_(hk.chunk_gather_triton(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident,
                                                 want))
         for a, b in zip(parts, alone):

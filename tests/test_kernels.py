@@ -150,7 +150,8 @@ def test_pack_keys_round_trips_the_codes_and_bounds_the_error():
     channel's min and max, and the packed bytes decode to the codes."""
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(3, 50, 16, generator=g) * torch.linspace(0.1, 4, 16)  # channels of unequal spread
-    codes, low, scale = hk.pack_keys(keys)
+    codes, bounds = hk.pack_keys(keys)
+    low, scale = bounds.unbind(1)
     assert codes.dtype == torch.uint8 and codes.shape == (3, 4, 50) and codes.nbytes == 3 * 50 * 16 // 4
     approx = (low[:, :, None] + scale[:, :, None] * hk.unpack_codes(codes)).transpose(1, 2)
     assert (approx - keys).abs().le(scale[:, None] / 2 + 1e-6).all()
@@ -164,12 +165,13 @@ def test_quant_key_topk_torch_is_the_best_token_of_each_chunk(G, P, chunk, k):
     H, d = 2, 32
     g = torch.Generator().manual_seed(P)
     q, keys = torch.randn(H, G, d, generator=g), torch.randn(H, P, d, generator=g)
-    codes, low, scale = hk.pack_keys(keys)
+    codes, bounds = hk.pack_keys(keys)
+    low, scale = bounds.unbind(1)
     approx = (low[:, :, None] + scale[:, :, None] * hk.unpack_codes(codes)).double()  # [H, d, P]
     logits = torch.einsum("hgd,hdp->hgp", q.double(), approx).amax(1)
     want = logits.unflatten(1, (-1, chunk)).amax(2)
-    assert_close(want, hk.quant_key_scores_torch(q, codes, low, scale, chunk), 1e-5)
-    ids = hk.quant_key_topk(q, codes, low, scale, chunk, k, backend="torch")
+    assert_close(want, hk.quant_key_scores_torch(q, codes, bounds, chunk), 1e-5)
+    ids = hk.quant_key_topk(q, codes, bounds, chunk, k, backend="torch")
     assert torch.equal(ids, _topk_by_sorting(want, k))
 
 
@@ -180,8 +182,8 @@ def test_quant_key_topk_finds_one_matching_token_that_a_mean_hides():
     keys = torch.randn(H, 20 * chunk, d, generator=g)
     q = torch.randn(H, 1, d, generator=g)
     keys[0, 7 * chunk + 5] = 3 * q[0, 0] / q[0, 0].norm() * 8  # one strong token in chunk 7
-    codes, low, scale = hk.pack_keys(keys)
-    assert hk.quant_key_topk(q, codes, low, scale, chunk, 1, backend="torch").tolist() == [[7]]
+    codes, bounds = hk.pack_keys(keys)
+    assert hk.quant_key_topk(q, codes, bounds, chunk, 1, backend="torch").tolist() == [[7]]
 
 
 # --------------------------------------------------------------------------- chunk gather

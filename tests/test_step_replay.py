@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CASES = {
     "full": ("full", {}),
-    "hybridkv, every head dynamic": ("hybridkv", {"budget": 0.5, "window": 4, "theta": 1.0, "chunk_size": 4}),
+    "hybridkv, every head dynamic": ("hybridkv", {"budget": 0.5, "window": 4, "theta": 1.0}),  # 2-bit keys
+    "hybridkv, mean landmarks": ("hybridkv", {"budget": 0.5, "window": 4, "theta": 1.0, "chunk_size": 4,
+                                              "landmark": "mean"}),
     "hybridkv, no refresh": ("hybridkv", {"budget": 0.3, "window": 8, "refresh": "none"}),
     "hybridkv, min/max landmarks": ("hybridkv", {"budget": 0.5, "window": 4, "theta": 1.0, "chunk_size": 4,
                                                  "landmark": "minmax"}),

@@ -75,6 +75,11 @@ class MeanLandmarks:
     def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
         return chunk_topk(query, self.codes, n, landmark_scale=self.scale)
 
+    @property
+    def pass_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``chunk_retrieve`` ranks by (``RetrievalPart.landmarks``, ``.landmark_scale``)."""
+        return self.codes, self.scale
+
     def device_bytes(self) -> int:
         return tensor_bytes(self.codes, self.scale)
 
@@ -134,8 +139,7 @@ class QuantKeys:
     as in KIVI's per-channel key quantisation); a chunk scores as its best token."""
 
     codes: torch.Tensor  # uint8 [H, d/4, P]
-    low: torch.Tensor  # [H, d] fp32
-    scale: torch.Tensor  # [H, d] fp32
+    bounds: torch.Tensor  # [H, 2, d] fp32: each channel's low and scale
     chunk: int
 
     @classmethod
@@ -148,10 +152,15 @@ class QuantKeys:
         return heads * (num_chunks * chunk * dim // 4 + 2 * dim * 4)
 
     def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
-        return quant_key_topk(query, self.codes, self.low, self.scale, self.chunk, n)
+        return quant_key_topk(query, self.codes, self.bounds, self.chunk, n)
+
+    @property
+    def pass_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``chunk_retrieve`` ranks by (``RetrievalPart.landmarks``, ``.landmark_scale``)."""
+        return self.codes, self.bounds
 
     def device_bytes(self) -> int:
-        return tensor_bytes(self.codes, self.low, self.scale)
+        return tensor_bytes(self.codes, self.bounds)
 
 
 LANDMARKS = {"keys": QuantKeys, "minmax": MinMaxLandmarks, "mean": MeanLandmarks, "detector": TokenDetector}

@@ -84,13 +84,19 @@ class DynamicHeads:
     @staticmethod
     def one_pass(items: list[tuple["DynamicHeads", torch.Tensor, RaggedStore]]) -> list:
         """The ``(heads, query, store)`` items that :func:`~hybridkv_kernels.chunk_retrieve` serves
-        in one pass: those with slots, ranked by mean landmarks."""
-        return [(d, q, s) for d, q, s in items if d.resident.shape[1] and isinstance(d.landmarks, MeanLandmarks)]
+        in one pass: those with slots, ranked by the kind of the first one's landmarks when it has
+        a retrieval kernel (mean keys, 2-bit keys with the first one's chunk length)."""
+        ready = [(d, q, s) for d, q, s in items if d.resident.shape[1] and hasattr(d.landmarks, "pass_tensors")]
+        if not ready:
+            return []
+        kind, chunk = type(ready[0][0].landmarks), ready[0][0].host_k.shape[2]
+        return [(d, q, s) for d, q, s in ready
+                if type(d.landmarks) is kind and (kind is MeanLandmarks or d.host_k.shape[2] == chunk)]
 
     @staticmethod
     def parts(items: list) -> list[RetrievalPart]:
         """The retrieval parts of :meth:`one_pass` items (for a reusable ``retrieval_table``)."""
-        return [RetrievalPart(d.landmarks.codes, d.landmarks.scale, d.host_k, d.host_v, s.keys, s.values,
+        return [RetrievalPart(*d.landmarks.pass_tensors, d.host_k, d.host_v, s.keys, s.values,
                               d.slot_base, d.resident, d.transferred) for d, _, s in items]
 
     @staticmethod
