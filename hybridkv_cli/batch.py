@@ -163,18 +163,14 @@ class Recorder:
         """Write ``record``'s line; ``count``: the summary counter the line completes."""
         summary = self.summary
         line = json.dumps(record)
-        try:
+        with signals.deferred_signals():  # the file's line, the stream's line and the count go together
             if self.sink is not None:
                 self.sink.write(line)
-        except KeyboardInterrupt:  # a stop signal held during the write is raised after it: the line is in
+            if self.jsonl is not None:
+                self.jsonl.write(line + "\n")
+                self.jsonl.flush()
             if count:
                 setattr(summary, count, getattr(summary, count) + 1)
-            raise
-        if self.jsonl is not None:
-            self.jsonl.write(line + "\n")
-            self.jsonl.flush()
-        if count:
-            setattr(summary, count, getattr(summary, count) + 1)
 
     def failed(self, key: str, record: dict, kind: str = "") -> None:
         """Input ``key`` failed: its error ``record`` and one ``error:`` line (``kind``: see :func:`error_kind`)."""

@@ -117,15 +117,20 @@ def raise_if_stopped() -> None:
 @contextmanager
 def deferred_signals() -> Iterator[None]:
     """Hold the stop signals until the block is done (a record line is written whole or not at
-    all), then raise the first one that came."""
-    if not _main_thread():
+    all), then raise the first one that came. Nested blocks are held by the outermost one."""
+    if not _main_thread() or _holding:
         yield
         return
     caught: list[int] = []
     previous = _install(lambda s, f: caught.append(s), STOP_SIGNALS)
+    _holding.append(True)
     try:
         yield
     finally:
+        _holding.pop()
         _restore(previous)
         if caught:
             raise interrupt_for(caught[0])
+
+
+_holding: list[bool] = []  # non-empty while a deferred_signals() block holds the signals

@@ -222,6 +222,33 @@ def test_deferred_line_write_holds_sigterm():
     assert done and e.value.signum == signal.SIGTERM
 
 
+def test_a_signal_during_the_file_write_keeps_the_streamed_line_and_the_count(tmp_path, monkeypatch):
+    """A record's file line, its --jsonl stream line and its count go together: a stop signal that
+    lands while the file line is written acts after all three (before, the stream lost the line)."""
+    from rich.console import Console
+
+    from hybridkv_cli.batch import Recorder, Summary
+    from hybridkv_cli.jsonl import JsonlFile
+    from hybridkv_cli.signals import Terminated, stop_on_signals
+
+    sink, stream = JsonlFile(tmp_path / "out.jsonl"), io.StringIO()
+    sink.open()
+    write = sink.write
+
+    def write_then_signal(line):
+        write(line)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(sink, "write", write_then_signal)
+    recorder = Recorder(Summary(), console=Console(file=io.StringIO()), sink=sink, jsonl=stream)
+    with stop_on_signals(), pytest.raises(Terminated):  # the CLI's handlers
+        recorder.emit({"input": "a.mp4", "answer": "red"}, "ok")
+    sink.close()
+    line = json.dumps({"input": "a.mp4", "answer": "red"})
+    assert (tmp_path / "out.jsonl").read_text() == stream.getvalue() == line + "\n"
+    assert recorder.summary.ok == 1
+
+
 # --- 4. rotation ------------------------------------------------------------------------------------
 def _decoders(name: str):
     from hybridkv_cli.media.video import DECODERS
