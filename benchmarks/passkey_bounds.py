@@ -38,6 +38,7 @@ from hybridkv_cli.compression.scoring import head_entries, window_attention
 from hybridkv_cli.compression.selection import keep_top_tiered
 from hybridkv_cli.compression.snapkv import SnapKV
 from hybridkv_cli.compression.store import RaggedStore
+from hybridkv_cli.fidelity import rouge_l
 from hybridkv_cli.models import load_model
 from hybridkv_cli.prompt import build_text_prompt
 
@@ -155,6 +156,10 @@ def step_oracle(spec: str, budget: float) -> StepOracle:
     return StepOracle(budget=float(at) if at else budget, ranking=ranking, chunk=int(chunk or 1))
 
 
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 3) if values else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", required=True)
@@ -163,17 +168,24 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=2500, help="skip rows of more prompt tokens")
     parser.add_argument("--variants", default="snapkv,oracle,merged", help="snapkv, oracle, merged, step-... "
                         "(see the module docstring), comma-separated")
+    parser.add_argument("--summaries", action="store_true", help="also the summary rows (their own max_new_tokens; "
+                        "fidelity to the full-cache output, no accuracy); the step- variants only")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     loaded = load_model("smollm2", device="cpu")
-    rows = [t for t in read_tasks(args.tasks) if t.answers]
+    raw = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
+    rows = [(t, r) for t, r in zip(read_tasks(args.tasks), raw) if t.answers or args.summaries]
     items = []
-    for task in rows:
+    for task, row in rows:
         ids = build_text_prompt(loaded.tokenizer, task.context, task.question).inputs["input_ids"][0].tolist()
         if len(ids) > args.max_prompt:
             continue
-        digits = key_positions(loaded.tokenizer, ids, task.answers[0][0])
-        evidence = list(range(max(0, digits[0] - 4), digits[-1] + 1))
+        new_tokens = int(row.get("max_new_tokens", args.max_new_tokens))
+        evidence = []
+        if task.answers:
+            digits = key_positions(loaded.tokenizer, ids, task.answers[0][0])
+            evidence = list(range(max(0, digits[0] - 4), digits[-1] + 1))
+        reference = None
         for budget in [1.0] + [float(b) for b in args.budgets.split(",")]:
             one_shot = {"snapkv": lambda: SnapKV(budget=budget), "merged": lambda: MergedTail(budget=budget),
                         "oracle": lambda: OracleKey(budget=budget, evidence=evidence)}
@@ -181,15 +193,22 @@ def main() -> None:
                 name: one_shot[name]() if name in one_shot else step_oracle(name, budget)
                 for name in args.variants.split(",")}
             for name, method in variants.items():
-                r = ask(loaded, None, task.question, context=task.context, method=method,
-                        max_new_tokens=args.max_new_tokens)
+                if not task.answers and not name.startswith(("full", "step-")):
+                    continue
+                r = ask(loaded, None, task.question, context=task.context, method=method, max_new_tokens=new_tokens)
+                reference = reference if reference is not None else r["answer"]
                 items.append({"id": task.id, "variant": name, "budget": budget, "answer": r["answer"],
-                              "correct": is_correct(r["answer"], task.answers), "tokens": len(ids)})
-                print(f"{task.id:24s} {name:14s} {budget:<4g} {items[-1]['correct']!s:5} {r['answer']!r}", flush=True)
+                              "correct": is_correct(r["answer"], task.answers) if task.answers else None,
+                              "fidelity": rouge_l(r["answer"], reference), "tokens": len(ids)})
+                print(f"{task.id:24s} {name:14s} {budget:<4g} {items[-1]['correct']!s:5} "
+                      f"fid={items[-1]['fidelity']:.2f} {r['answer']!r}", flush=True)
     table = {}
     for i in items:
-        table.setdefault(f"{i['variant']}@{i['budget']:g}", []).append(i["correct"])
-    summary = {k: f"{sum(v)}/{len(v)}" for k, v in table.items()}
+        table.setdefault(f"{i['variant']}@{i['budget']:g}", []).append(i)
+    summary = {k: {"correct": f"{sum(bool(i['correct']) for i in v if i['correct'] is not None)}/"
+                              f"{sum(i['correct'] is not None for i in v)}",
+                   "summary_fidelity": _mean([i["fidelity"] for i in v if i["correct"] is None])}
+               for k, v in table.items()}
     print(json.dumps(summary, indent=1))
     if args.out:
         args.out.write_text(json.dumps({"tasks": args.tasks, "summary": summary, "items": items}, indent=1) + "\n")

@@ -2,8 +2,8 @@
 
 The prompt positions before the resident tail are cut into chunks of ``chunk`` tokens. Each
 dynamic head's chunks move to host memory (pinned on CUDA), one chunk contiguous; on the device
-stay a per-chunk summary (:mod:`~hybridkv_cli.compression.landmarks`: int8 mean keys by
-default), ``chunks`` retrieval slots and the resident tail. Every decode step ranks the chunks
+stay what ranks them (:mod:`~hybridkv_cli.compression.landmarks`: every token's key at 2 bits
+by default, with 1-token chunks), ``chunks`` retrieval slots and the resident tail. Every decode step ranks the chunks
 for the query, keeps the slots whose chunk is still wanted and loads only the missing chunks.
 """
 
@@ -28,7 +28,7 @@ class DynamicHeads:
         Which KV heads of the layer are dynamic.
     host_k, host_v : Tensor [H_dyn, C, chunk, d]
         The offloaded prompt KV (host memory, pinned on CUDA).
-    landmarks : MeanLandmarks | MinMaxLandmarks | TokenDetector
+    landmarks : QuantKeys | MinMaxLandmarks | MeanLandmarks | TokenDetector
         What ranks the chunks (device).
     slot_base : LongTensor [H_dyn]
         Store row of each dynamic head's first slot.
