@@ -19,8 +19,8 @@ from unittest import mock
 
 import torch
 
+from benchmarks.quality import task_rows
 from hybridkv_cli.answers import is_correct
-from hybridkv_cli.bench import read_tasks
 from hybridkv_cli.compression import hybridkv as hybridkv_module
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.compression.retrieval import DynamicHeads
@@ -101,8 +101,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     loaded = load_model(args.model, device="cpu")
-    rows = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
-    tasks = [t for t, r in zip(read_tasks(args.tasks), rows) if r.get("kind") == "passkey"]
+    tasks = [t for t, r in task_rows(args.tasks) if r.get("kind") == "passkey"]
     out = []
     for task in tasks:
         d = diagnose(loaded, task, args.budget, json.loads(args.options), args.new_tokens)

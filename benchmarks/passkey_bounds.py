@@ -29,9 +29,9 @@ import torch
 
 import hybridkv_kernels as hk
 from benchmarks.diagnose_passkey import key_positions
+from benchmarks.quality import task_rows
 from hybridkv_cli.api import ask
 from hybridkv_cli.answers import is_correct
-from hybridkv_cli.bench import read_tasks
 from hybridkv_cli.compression.base import Compressed, LayerKV, Policy
 from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_cli.compression.scoring import head_entries, window_attention
@@ -173,8 +173,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     loaded = load_model("smollm2", device="cpu")
-    raw = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
-    rows = [(t, r) for t, r in zip(read_tasks(args.tasks), raw) if t.answers or args.summaries]
+    rows = [(t, r) for t, r in task_rows(args.tasks) if t.answers or args.summaries]
     items = []
     for task, row in rows:
         ids = build_text_prompt(loaded.tokenizer, task.context, task.question).inputs["input_ids"][0].tolist()

@@ -63,6 +63,13 @@ def variant(name: str) -> tuple[str, dict]:
     return VARIANTS[name] if name in VARIANTS else parse_method(name.replace(";", ","))
 
 
+def task_rows(path) -> list[tuple]:
+    """Each task of a JSONL task file with its raw row (the ``kind``, ``max_new_tokens`` and other
+    keys the benchmarks read and :func:`read_tasks` ignores)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return list(zip(read_tasks(path), rows))
+
+
 def run_row(loaded, task, method, options, budget, max_new_tokens) -> dict:
     start = time.perf_counter()
     r = ask(loaded, None, task.question, context=task.context, method=method, budget=budget,
@@ -125,13 +132,10 @@ def main() -> None:
         return report(items, args, {"tasks": runs[0]["tasks"], "model": runs[0]["model"],
                                     "budgets": runs[0]["budgets"], "variants": runs[0]["variants"]})
     loaded = load_model(args.model, device="cpu", dtype=args.dtype)
-    tasks = read_tasks(args.tasks)
-    raw = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
+    pairs = task_rows(args.tasks)
     if args.kinds:
         keep = set(args.kinds.split(","))
-        pairs = [(t, r) for t, r in zip(tasks, raw) if r.get("kind") in keep]
-    else:
-        pairs = list(zip(tasks, raw))
+        pairs = [(t, r) for t, r in pairs if r.get("kind") in keep]
     start, _, end = (args.rows or ":").partition(":")
     pairs = pairs[int(start or 0):int(end) if end else None]
     budgets = [float(b) for b in args.budgets.split(",")]

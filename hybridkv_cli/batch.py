@@ -161,7 +161,6 @@ class Recorder:
 
     def emit(self, record: dict, count: str | None = None) -> None:
         """Write ``record``'s line; ``count``: the summary counter the line completes."""
-        summary = self.summary
         line = json.dumps(record)
         with signals.deferred_signals():  # the file's line, the stream's line and the count go together
             if self.sink is not None:
@@ -170,7 +169,7 @@ class Recorder:
                 self.jsonl.write(line + "\n")
                 self.jsonl.flush()
             if count:
-                setattr(summary, count, getattr(summary, count) + 1)
+                setattr(self.summary, count, getattr(self.summary, count) + 1)
 
     def failed(self, key: str, record: dict, kind: str = "") -> None:
         """Input ``key`` failed: its error ``record`` and one ``error:`` line (``kind``: see :func:`error_kind`)."""

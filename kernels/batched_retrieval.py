@@ -129,14 +129,14 @@ def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable) -> None:
     rows, group, d = q.shape
     table, c_max, n_max, chunk_max = tab
     q = q if q.is_contiguous() else q.contiguous()
-    scores = torch.empty(rows, c_max, dtype=torch.float32, device=dev)
     want = torch.full((rows, n_max), -1, dtype=torch.int64, device=dev)
     assign = torch.full((rows, n_max), -1, dtype=torch.int64, device=dev)
-    block_c, block_d = 64, max(16, next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     if _two_bit(first):
         scores = launch_scores(q, first.landmarks, first.landmark_scale, chunk_max, table=table,
                                tokens=c_max * chunk_max)
     else:
+        scores, block_c = torch.empty(rows, c_max, dtype=torch.float32, device=dev), 64
         mod_top.chunk_scores_kernel[(rows, cdiv(c_max, block_c))](
             q, first.landmarks, first.landmark_scale, scores, table, group, c_max, d,
             q.stride(0), q.stride(1), 0, d, 0, scores.stride(0),
