@@ -6,12 +6,18 @@ host-offloaded KV, the refresh state; a storage of no bytes is left out), plus t
 roles, its token ids, attention mask and token types (of the media tokens, one value each, kept
 in the header: :func:`_pack_tokens`) and the model's mRoPE offset; its metadata (``hybridkv``,
 compact JSON) holds the format and library versions, the model fingerprint (name + a hash of its
-config), the dtype, the method and its options, the object tree of the state, what the record
-says about the media, and a SHA-256 of the tensor bytes. It is written to a temporary file beside the target and renamed over it (atomic).
+config), the dtype, the method and its options, the object tree of the state (kinds and named
+attributes from a fixed table, :mod:`hybridkv_cli.state_kinds`, and a digest of that table), what
+the record says about the media, and a SHA-256 of the tensor bytes and the rest of the header. It is
+written to a temporary file beside the target and renamed over it (atomic); a temporary file that a
+killed run left is removed by the next save to the same target.
 
-Loading checks, in order, that the file is a safetensors file with hybridkv metadata, its format
-and library version, model, dtype and method, then the checksum; any failure is one
-:class:`CacheFileError` line (exit 1; a batch goes on with the next input).
+Nothing in a file names code: kinds and dtypes are keys of fixed tables, and a loaded state is
+checked against the model's geometry (every index a kernel follows stays inside its tensors).
+Loading checks, in order, that the path is a regular file, a safetensors file with hybridkv
+metadata, its format (version and schema) and library version, model, dtype and method, then the
+checksum, then the state; any failure is one :class:`CacheFileError` line (exit 1; a batch goes on
+with the next input).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
 import tempfile
 from pathlib import Path
 
@@ -26,11 +34,13 @@ import torch
 
 from hybridkv_cli.errors import HybridKVError
 from hybridkv_cli.graph import GraphError, flatten, rebuild
+from hybridkv_cli.state_kinds import DTYPES, StateError, check_layers, schema_digest
+from hybridkv_cli.compression.base import Policy, check_budget
 from hybridkv_cli.multi import CompressedPrefix, QuestionTemplate
 
 SUFFIX = ".hkv"
 FORMAT = "hybridkv-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: kinds from a fixed table, the header under the checksum
 _META_KEY = "hybridkv"
 _PREFIX = "prefix."  # tensor names of the prefix's per-token inputs
 _EXTRA = ("visual", "rope_deltas")
@@ -76,12 +86,15 @@ def _policy_options(policy) -> dict:
     return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
+def _digest(tensors: dict[str, torch.Tensor], header: dict) -> str:
+    """SHA-256 of the tensors and of the header without its own ``sha256``."""
     h = hashlib.sha256()
     for key in sorted(tensors):
         t = tensors[key].contiguous()
         h.update(key.encode())
         h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else b"")
+    rest = {k: v for k, v in header.items() if k != "sha256"}
+    h.update(json.dumps(rest, sort_keys=True, separators=(",", ":"), default=str).encode())
     return h.hexdigest()
 
 
@@ -100,6 +113,7 @@ def save(path: str | os.PathLike, prefix: CompressedPrefix, loaded) -> int:
     header = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        "schema": schema_digest(),
         "library_version": library_version(),
         "model": model_fingerprint(loaded),
         "dtype": str(loaded.dtype).removeprefix("torch."),
@@ -118,14 +132,16 @@ def save(path: str | os.PathLike, prefix: CompressedPrefix, loaded) -> int:
         "prefill_peak_bytes": prefix.prefill_peak_bytes,
         "device_bytes": prefix.device_bytes,
         "host_bytes": prefix.host_bytes,
-        "sha256": _digest(tensors),
     }
+    header = json.loads(json.dumps(header, default=str))  # as a reader sees it
+    header["sha256"] = _digest(tensors, header)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={_META_KEY: json.dumps(header, default=str, separators=(",", ":"))})
+        save_file(tensors, tmp, metadata={_META_KEY: json.dumps(header, separators=(",", ":"))})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)
@@ -138,15 +154,45 @@ def save(path: str | os.PathLike, prefix: CompressedPrefix, loaded) -> int:
     return path.stat().st_size
 
 
+def _remove_stale_temps(path: Path) -> None:
+    """Remove the temporary files of saves to ``path`` whose process is gone (a killed run)."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.\w+\.tmp")
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        m = pattern.fullmatch(tmp.name)
+        if m and not _alive(int(m.group(1))) and tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid < 2**31
+    return True
+
+
+def _regular_file(path: str | os.PathLike, source: str) -> None:
+    """Refuse what is not a regular file before opening it (a FIFO would block the reader)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CacheFileError("no such file", source) from None
+    except OSError as e:
+        raise CacheFileError(f"cannot read ({e.strerror or type(e).__name__})", source) from None
+    if stat.S_ISDIR(mode):
+        raise CacheFileError("is a directory, not a cache file", source)
+    if not stat.S_ISREG(mode):
+        raise CacheFileError("not a regular file (a FIFO, socket or device), not a cache file", source)
+
+
 def read_header(path: str | os.PathLike) -> dict:
     """The metadata of a ``.hkv`` file (no tensor is read); :class:`CacheFileError` if it is none."""
     from safetensors import safe_open
 
     source = str(path)
-    if not os.path.exists(path):
-        raise CacheFileError("no such file", source)
-    if os.path.isdir(path):
-        raise CacheFileError("is a directory, not a cache file", source)
+    _regular_file(path, source)
     try:
         with safe_open(source, framework="pt") as f:
             meta = f.metadata() or {}
@@ -154,8 +200,10 @@ def read_header(path: str | os.PathLike) -> dict:
         raise CacheFileError(f"not a hybridkv cache file, or truncated ({_short(e)})", source) from None
     try:
         header = json.loads(meta[_META_KEY])
-        if header.get("format") != FORMAT:
+        if type(header) is not dict or header.get("format") != FORMAT:
             raise ValueError
+    except RecursionError:
+        raise CacheFileError("corrupt cache file (its header is nested too deep)", source) from None
     except (KeyError, ValueError, TypeError, AttributeError):
         raise CacheFileError("not a hybridkv cache file (a safetensors file without hybridkv metadata)",
                              source) from None
@@ -165,25 +213,30 @@ def read_header(path: str | os.PathLike) -> dict:
 def check_header(header: dict, loaded, source: str, method: str | None = None) -> None:
     """Refuse a file written by another format or library version, for another model or dtype,
     or (``method`` given) with another method."""
-    if header.get("format_version") != FORMAT_VERSION:
-        raise CacheFileError(f"cache format {header.get('format_version')}, this hybridkv reads format "
-                             f"{FORMAT_VERSION}; compress the media again", source)
-    if header.get("library_version") != library_version():
-        raise CacheFileError(f"written by hybridkv {header.get('library_version')}, this is {library_version()}; "
+    found = header.get("format_version")
+    if found != FORMAT_VERSION or header.get("schema") != schema_digest():
+        found = found if type(found) is int else str(found)[:20]
+        raise CacheFileError(f"the cache format changed: this file is format {found}, this hybridkv reads format "
+                             f"{FORMAT_VERSION}{'' if found != FORMAT_VERSION else ' of another schema'}; "
                              "compress the media again", source)
-    mine, theirs = model_fingerprint(loaded), header.get("model") or {}
+    if header.get("library_version") != library_version():
+        raise CacheFileError(f"written by hybridkv {str(header.get('library_version'))[:40]}, this is "
+                             f"{library_version()}; compress the media again", source)
+    mine, theirs = model_fingerprint(loaded), header.get("model")
+    if type(theirs) is not dict:
+        theirs = {}
     if theirs != mine:
-        what = (f"model {theirs.get('name')}" if theirs.get("name") != mine["name"]
-                else f"another configuration of {mine['name']}")
-        raise CacheFileError(f"compressed with {what}, not {mine['name']}; pass --model {theirs.get('name')} or "
+        name = str(theirs.get("name"))[:200]
+        what = f"model {name}" if theirs.get("name") != mine["name"] else f"another configuration of {mine['name']}"
+        raise CacheFileError(f"compressed with {what}, not {mine['name']}; pass --model {name} or "
                              "compress again", source)
     dtype = str(loaded.dtype).removeprefix("torch.")
     if header.get("dtype") != dtype:
-        raise CacheFileError(f"compressed in {header.get('dtype')}, the model runs in {dtype}; pass --dtype "
-                             f"{header.get('dtype')}", source)
+        theirs = str(header.get("dtype"))[:40]
+        raise CacheFileError(f"compressed in {theirs}, the model runs in {dtype}; pass --dtype {theirs}", source)
     if method is not None and header.get("method") != method:
-        raise CacheFileError(f"compressed with method {header.get('method')}, not {method}; drop --method (the "
-                             "file's method answers) or compress again", source)
+        raise CacheFileError(f"compressed with method {str(header.get('method'))[:40]}, not {method}; drop --method "
+                             "(the file's method answers) or compress again", source)
 
 
 def matches(header: dict, loaded, policy) -> bool:
@@ -194,6 +247,18 @@ def matches(header: dict, loaded, policy) -> bool:
     except CacheFileError:
         return False
     return header.get("options") == json.loads(json.dumps(_policy_options(policy), default=str))
+
+
+def intact(path: str | os.PathLike) -> bool:
+    """Whether the whole file at ``path`` reads and matches its checksum (``compress --resume``
+    keeps no file that a crash or a disk cut short)."""
+    from safetensors.torch import load_file
+
+    try:
+        header = read_header(path)
+        return _digest(load_file(str(path), device="cpu"), header) == header.get("sha256")
+    except Exception:
+        return False
 
 
 def load(path: str | os.PathLike, loaded, method: str | None = None) -> CompressedPrefix:
@@ -207,33 +272,75 @@ def load(path: str | os.PathLike, loaded, method: str | None = None) -> Compress
         tensors = load_file(source, device="cpu")
     except Exception as e:
         raise CacheFileError(f"truncated or corrupt cache file ({_short(e)})", source) from None
-    if _digest(tensors) != header.get("sha256"):
+    if _digest(tensors, header) != header.get("sha256"):
         raise CacheFileError("corrupt cache file (checksum mismatch)", source)
-    device = loaded.device
     try:
-        storages = {}
-        for key, info in header["storages"].items():
-            data = tensors[key] if key in tensors else torch.empty(0, dtype=torch.uint8)
-            if info["device"] != "cpu":
-                data = data.to(device)
-            elif info.get("pinned") and torch.cuda.is_available():
-                data = data.pin_memory()
-            storages[key] = data
-        policy, state = rebuild(storages, header["tree"])
-        visual = tensors["visual"].to(torch.bool)
-        prefix = _unpack_tokens(tensors, visual, header["prefix_dtypes"], header.get("prefix_on_visual", {}), device)
-        template = QuestionTemplate(list(header["template"]["head"]), list(header["template"]["tail"]))
-        return CompressedPrefix(
-            policy=policy, state=tuple(state), seen=int(header["seen"]),
-            visual=visual, prefix=prefix,
-            rope_deltas=tensors.get("rope_deltas"), template=template,
-            prefill_s=float(header["prefill_s"]), compress_seconds=float(header["compress_seconds"]),
-            prefill_peak_bytes=int(header["prefill_peak_bytes"]), device_bytes=int(header["device_bytes"]),
-            host_bytes=int(header["host_bytes"]), info=dict(header.get("input") or {}),
-            role=str(header.get("role", "visual")),
-        )
-    except (GraphError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        return _build(header, tensors, loaded)
+    except (GraphError, StateError) as e:
         raise CacheFileError(f"corrupt cache file ({_short(e)})", source) from None
+    except RecursionError:
+        raise CacheFileError("corrupt cache file (nested too deep)", source) from None
+    except Exception as e:  # anything else a crafted file can provoke is still this file's fault
+        raise CacheFileError(f"corrupt cache file ({type(e).__name__}: {_short(e)})", source) from None
+
+
+def _build(header: dict, tensors: dict, loaded) -> CompressedPrefix:
+    """The prefix a checked header and its tensors describe (:class:`GraphError`/:class:`StateError`
+    or another exception when they do not fit together)."""
+    device = loaded.device
+    storages = {}
+    infos = header["storages"]
+    if type(infos) is not dict:
+        raise GraphError("no storage table")
+    for key, info in infos.items():
+        if type(info) is not dict or type(info.get("device")) is not str:
+            raise GraphError("a storage without its device")
+        data = tensors[key] if key in tensors else torch.empty(0, dtype=torch.uint8)
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            raise GraphError(f"storage {key[:20]} is not bytes")
+        if info["device"] != "cpu":
+            data = data.to(device)
+        elif info.get("pinned") is True and torch.cuda.is_available():
+            data = data.pin_memory()
+        storages[key] = data
+    rebuilt = rebuild(storages, header["tree"])
+    if type(rebuilt) is not tuple or len(rebuilt) != 2 or type(rebuilt[1]) is not tuple or len(rebuilt[1]) != 3:
+        raise GraphError("the tree is not a policy and a state")
+    policy, state = rebuilt
+    if type(policy).name != header["method"] or not isinstance(policy, Policy):
+        raise GraphError("the tree's policy is not the header's method")
+    check_budget(policy.budget)
+    if json.loads(json.dumps(_policy_options(policy), default=str)) != header["options"]:
+        raise GraphError("the tree's policy has other options than the header")
+    layers, reports, run = state
+    text = loaded.model.config.get_text_config()
+    heads = text.num_key_value_heads
+    dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    check_layers(layers, text.num_hidden_layers, heads, dim, loaded.dtype)
+    if type(reports) is not dict or sorted(reports) != list(range(len(layers))) or type(run) is not dict:
+        raise GraphError("the state's reports are not one per layer, or its run state is not a mapping")
+    seen = header["seen"]
+    visual = tensors["visual"]
+    if type(seen) is not int or visual.dtype != torch.uint8 or visual.shape != (seen,):
+        raise StateError("the prefix's token roles do not match its length")
+    visual = visual.to(torch.bool)
+    prefix = _unpack_tokens(tensors, visual, header["prefix_dtypes"], header.get("prefix_on_visual", {}), device)
+    template = header["template"]
+    if not all(type(t) is int for t in (*template["head"], *template["tail"])):
+        raise GraphError("a question template that is not token ids")
+    info = header.get("input") or {}
+    if type(info) is not dict:
+        raise GraphError("the media description is not a mapping")
+    return CompressedPrefix(
+        policy=policy, state=tuple(state), seen=seen,
+        visual=visual, prefix=prefix,
+        rope_deltas=tensors.get("rope_deltas"),
+        template=QuestionTemplate(list(template["head"]), list(template["tail"])),
+        prefill_s=float(header["prefill_s"]), compress_seconds=float(header["compress_seconds"]),
+        prefill_peak_bytes=int(header["prefill_peak_bytes"]), device_bytes=int(header["device_bytes"]),
+        host_bytes=int(header["host_bytes"]), info=dict(info),
+        role=str(header.get("role", "visual")),
+    )
 
 
 def _pack_tokens(per_token: dict, visual: torch.Tensor, tensors: dict) -> dict:
@@ -253,14 +360,25 @@ def _pack_tokens(per_token: dict, visual: torch.Tensor, tensors: dict) -> dict:
 
 def _unpack_tokens(tensors: dict, visual: torch.Tensor, dtypes: dict, on_visual: dict, device) -> dict:
     """The per-token tensors ``[1, seen]`` that :func:`_pack_tokens` stored."""
+    if type(dtypes) is not dict or type(on_visual) is not dict:
+        raise GraphError("no per-token dtypes")
     per_token = {}
     for name, stored in tensors.items():
         if name.startswith(_PREFIX):
             key = name.removeprefix(_PREFIX)
-            value = stored.to(getattr(torch, dtypes[key])).reshape(-1)
+            dtype = DTYPES.get(dtypes.get(key)) if type(dtypes.get(key)) is str else None
+            if dtype is None or stored.dim() != 1:
+                raise GraphError(f"per-token input {key[:40]} of an unknown dtype or shape")
+            value = stored.to(dtype)
             if key in on_visual:
+                if type(on_visual[key]) is not int or value.numel() != int((~visual).sum()):
+                    raise StateError(f"per-token input {key[:40]} does not match the token roles")
                 value = torch.full(visual.shape, on_visual[key], dtype=value.dtype).masked_scatter(~visual, value)
+            elif value.numel() != visual.numel():
+                raise StateError(f"per-token input {key[:40]} does not match the prefix's length")
             per_token[key] = value.view(1, -1).to(device)
+    if "input_ids" not in per_token:
+        raise GraphError("a prefix without its token ids")
     return per_token
 
 

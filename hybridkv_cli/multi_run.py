@@ -116,9 +116,9 @@ def cache_targets(items, output: Path, each: bool) -> list[Path]:
 def run_compress(session, items, output: Path, *, each: bool, resume: bool, console, quiet: bool,
                  debug: bool, jsonl=None) -> int:
     """``hybridkv compress``: write one ``.hkv`` file per input. ``resume``: an input whose file
-    already holds the cache this command writes (:func:`hkv.matches`) is skipped; one made with
-    another model, method or options is written again. A failed input is one error line (and a
-    JSON line ``{"input", "error"}`` with ``jsonl``); the others go on. Returns the exit status."""
+    already holds the cache this command writes (:func:`hkv.matches`), whole and matching its
+    checksum (:func:`hkv.intact`), is skipped; one made with another model, method or options, or
+    damaged, is written again. A failed input is one error line (and a JSON line ``{"input", "error"}`` with ``jsonl``); the others go on. Returns the exit status."""
     from rich.markup import escape
 
     from hybridkv_cli import hkv, signals
@@ -134,7 +134,8 @@ def run_compress(session, items, output: Path, *, each: bool, resume: bool, cons
                     header = hkv.read_header(target)
                 except HybridKVError:
                     pass  # not a finished cache: write it again
-                if header is not None and hkv.matches(header, session.model(), session.policy):
+                if (header is not None and hkv.matches(header, session.model(), session.policy)
+                        and hkv.intact(target)):
                     summary.skipped += 1
                     continue
             signals.raise_if_stopped()  # a stop whose exception a destructor swallowed
