@@ -118,7 +118,8 @@ def run_compress(session, items, output: Path, *, each: bool, resume: bool, cons
     """``hybridkv compress``: write one ``.hkv`` file per input. ``resume``: an input whose file
     already holds the cache this command writes (:func:`hkv.matches`), whole and matching its
     checksum (:func:`hkv.intact`), is skipped; one made with another model, method or options, or
-    damaged, is written again. A failed input is one error line (and a JSON line ``{"input", "error"}`` with ``jsonl``); the others go on. Returns the exit status."""
+    damaged, is written again. A failed input is one error line (and a JSON line
+    ``{"input", "error"}`` with ``jsonl``); the others go on. Returns the exit status."""
     from rich.markup import escape
 
     from hybridkv_cli import hkv, signals
