@@ -56,6 +56,17 @@ def chunk_gather_kernel(
 
 
 @triton.jit
+def _any_equal(VALUES, n, ROW, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """For each of ``ROW`` [BLOCK_R]: 1 where it equals one of VALUES[:n] (walked BLOCK_V at a time)."""
+    found = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for v0 in range(0, n, BLOCK_V):
+        vs = v0 + tl.arange(0, BLOCK_V)
+        other = tl.load(VALUES + vs, mask=vs < n, other=-3)  # -3 matches nothing (-1: empty, -2: padding)
+        found = tl.maximum(found, tl.max((ROW[:, None] == other[None, :]).to(tl.int32), axis=1))
+    return found
+
+
+@triton.jit
 def gather_plan_kernel(
     RESIDENT, WANT, ASSIGN, MOVED, TAB, n, chunk_bytes, stride_rh, stride_wh, stride_ah,
     BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, TABLE: tl.constexpr = False,
@@ -65,8 +76,16 @@ def gather_plan_kernel(
 
     Slot s is a hit when its chunk is wanted; the free slots, in slot order, take the wanted
     chunks that are not resident, in want order (rank of a free slot == rank of a missing id).
-    The wanted ids are walked in blocks of BLOCK_J (a [BLOCK_N, BLOCK_J] tile at a time) twice:
-    first to find the hits, then, with the free slots' ranks known, to pair them.
+    Tiles of BLOCK_N slots and BLOCK_J wanted ids ([BLOCK_N, BLOCK_J] comparisons at a time, any
+    n: the tile sizes bound registers and compile time, not n), in three phases:
+
+    1. each wanted id's rank among the missing ones (-1 if resident), kept in ASSIGN[h, j];
+    2. each slot: hit or free, its rank among the free slots, its partner (the missing id of the
+       same rank); the new content of a slot that loads is parked in RESIDENT as ``-3 - id``;
+    3. ASSIGN[h, s] = the id slot s loads (-1: none), RESIDENT[h, s] its content.
+
+    O(n^2) comparisons per head (as the one-tile version); a barrier separates the phases, which
+    read what the previous one stored.
     """
     h = tl.program_id(0)
     head = h
@@ -76,27 +95,48 @@ def gather_plan_kernel(
         n = tl.load(TAB + h * 12 + 3).to(tl.int32)
         chunk_bytes = chunk_bytes * tl.load(TAB + h * 12 + 11)
         head = 0
-    slots = tl.arange(0, BLOCK_N)
-    in_n = slots < n
-    res = tl.load(RESIDENT + head * stride_rh + slots, mask=in_n, other=-2)  # -1: empty, -2: padding
-    hit = tl.zeros([BLOCK_N], dtype=tl.int32)
+    res_row = RESIDENT + head * stride_rh
+    want_row = WANT + h * stride_wh
+    assign_row = ASSIGN + h * stride_ah
+
+    # 1. missing ids and their ranks, in want order
+    missing = tl.full([], 0, tl.int32)
     for j0 in range(0, n, BLOCK_J):
         js = j0 + tl.arange(0, BLOCK_J)
-        want = tl.load(WANT + h * stride_wh + js, mask=js < n, other=-3)
-        hit = tl.maximum(hit, tl.max((res[:, None] == want[None, :]).to(tl.int32), axis=1))
-    free = in_n & (hit == 0)
-    rank_free = tl.cumsum(free.to(tl.int32), axis=0) - 1
-    assign = tl.full([BLOCK_N], -1, dtype=tl.int64)
-    missing_before = 0
-    for j0 in range(0, n, BLOCK_J):
-        js = j0 + tl.arange(0, BLOCK_J)
-        want = tl.load(WANT + h * stride_wh + js, mask=js < n, other=-3)
-        present = tl.max((res[:, None] == want[None, :]).to(tl.int32), axis=0)
-        miss = (js < n) & (present == 0)
-        rank_miss = missing_before + tl.cumsum(miss.to(tl.int32), axis=0) - 1
-        pair = free[:, None] & miss[None, :] & (rank_free[:, None] == rank_miss[None, :])
-        assign = tl.maximum(assign, tl.max(tl.where(pair, want[None, :], -1), axis=1))
-        missing_before += tl.sum(miss.to(tl.int32), axis=0)
-    tl.store(ASSIGN + h * stride_ah + slots, assign, mask=in_n)
-    tl.store(RESIDENT + head * stride_rh + slots, tl.where(assign >= 0, assign, res), mask=in_n)
-    tl.atomic_add(MOVED, tl.sum((assign >= 0).to(tl.int64), axis=0) * chunk_bytes)
+        want = tl.load(want_row + js, mask=js < n, other=-3)
+        miss = ((js < n) & (_any_equal(res_row, n, want, BLOCK_J, BLOCK_N) == 0)).to(tl.int32)
+        rank = missing + tl.cumsum(miss, axis=0) - 1
+        tl.store(assign_row + js, tl.where(miss > 0, rank, -1).to(tl.int64), mask=js < n)
+        missing += tl.sum(miss, axis=0)
+    tl.debug_barrier()
+
+    # 2. free slots and their partners
+    free_seen = tl.full([], 0, tl.int32)
+    loads = tl.full([], 0, tl.int32)
+    for s0 in range(0, n, BLOCK_N):
+        slots = s0 + tl.arange(0, BLOCK_N)
+        in_n = slots < n
+        res = tl.load(res_row + slots, mask=in_n, other=-2)  # -1: empty, -2: padding
+        free = in_n & (_any_equal(want_row, n, res, BLOCK_N, BLOCK_J) == 0)
+        rank = free_seen + tl.cumsum(free.to(tl.int32), axis=0) - 1
+        partner = tl.full([BLOCK_N], -1, dtype=tl.int64)
+        for j0 in range(0, n, BLOCK_J):
+            js = j0 + tl.arange(0, BLOCK_J)
+            want = tl.load(want_row + js, mask=js < n, other=-3)
+            miss_rank = tl.load(assign_row + js, mask=js < n, other=-1)
+            pair = free[:, None] & (miss_rank[None, :] >= 0) & (rank[:, None] == miss_rank[None, :])
+            partner = tl.maximum(partner, tl.max(tl.where(pair, want[None, :], -1), axis=1))
+        tl.store(res_row + slots, tl.where(partner >= 0, -3 - partner, res), mask=in_n)
+        free_seen += tl.sum(free.to(tl.int32), axis=0)
+        loads += tl.sum((partner >= 0).to(tl.int32), axis=0)
+    tl.debug_barrier()
+
+    # 3. the plan and the slots' contents
+    for s0 in range(0, n, BLOCK_N):
+        slots = s0 + tl.arange(0, BLOCK_N)
+        in_n = slots < n
+        parked = tl.load(res_row + slots, mask=in_n, other=-2)
+        loaded = parked <= -3
+        tl.store(assign_row + slots, tl.where(loaded, -3 - parked, -1), mask=in_n)
+        tl.store(res_row + slots, tl.where(loaded, -3 - parked, parked), mask=in_n)
+    tl.atomic_add(MOVED, loads.to(tl.int64) * chunk_bytes)

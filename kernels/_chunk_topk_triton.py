@@ -4,11 +4,12 @@ Loaded by :func:`hybridkv_kernels.dispatch.load_triton_module`; launcher and tor
 are in ``chunk_topk.py``.
 
 Selection without sorting: map each fp32 score to an int32 key with the same order, find the
-k-th largest key T by a radix select (4 bits a pass: 8 passes over the head's scores, which stay
-in L2, each a 16-bucket count); take every chunk with key > T and the lowest-id chunks with key
-== T until k are taken; write the ids compacted in id order (a cumsum), i.e. already sorted.
-This handles thousands of chunks per head in one program with O(BLOCK) registers, and makes
-ties deterministic (lowest id wins), the same rule as the torch reference.
+k-th largest key T by a radix select (8 bits a pass: 4 passes over the head's scores, which stay
+in L2, each a 256-bucket histogram in shared memory); take every chunk with key > T and the
+lowest-id chunks with key == T until k are taken; write the ids compacted in id order (a cumsum),
+i.e. already sorted. One launch, one program per head, 5 passes over its C scores whatever k:
+tens of thousands of candidates with O(BLOCK) registers; ties deterministic (lowest id wins), the
+same rule as the torch reference.
 """
 
 import triton
@@ -68,23 +69,27 @@ def _order_key(s):
 @triton.jit
 def _radix_threshold(base, C, K, BLOCK: tl.constexpr):
     """(T, need): T = the K-th largest order key of base[:C]; need = how many keys equal to T
-    belong to the top K (the others above T are all in)."""
+    belong to the top K (the others above T are all in).
+
+    8 bits a pass from the top (4 passes): each pass histograms, among the keys whose higher bits
+    equal T's so far, their next byte (256 buckets), and descends into the bucket holding the
+    K-th largest.
+    """
     offs = tl.arange(0, BLOCK)
-    buckets = tl.arange(0, 16)
+    buckets = tl.arange(0, 256)
     prefix = tl.full([], 0, tl.int64)  # T's bits found so far, in unsigned order
     need = K
-    for p in range(8):
-        shift = 28 - 4 * p
-        high = (tl.full([], 0xFFFFFFFF, tl.int64) << (shift + 4)) & 0xFFFFFFFF  # the bits found
-        hist = tl.zeros([16], dtype=tl.int32)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        high = (tl.full([], 0xFFFFFFFF, tl.int64) << (shift + 8)) & 0xFFFFFFFF  # the bits found
+        hist = tl.zeros([256], dtype=tl.int32)
         for c0 in range(0, C, BLOCK):
             mask = (c0 + offs) < C
             u = _order_key(tl.load(base + c0 + offs, mask=mask, other=0.0)).to(tl.int64) + 2147483648
-            digit = (u >> shift) & 15
-            live = mask & ((u & high) == prefix)
-            hist += tl.sum((live[:, None] & (digit[:, None] == buckets[None, :])).to(tl.int32), 0)
+            digit = ((u >> shift) & 255).to(tl.int32)
+            hist += tl.histogram(digit, 256, mask=mask & ((u & high) == prefix))
         above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # keys in higher buckets than each bucket
-        bucket = 16 - tl.sum((above < need).to(tl.int32), 0)  # highest b with count(>= b) >= need
+        bucket = 256 - tl.sum((above < need).to(tl.int32), 0)  # highest b with count(>= b) >= need
         need -= tl.sum(tl.where(buckets > bucket, hist, 0), 0)
         prefix = prefix | (bucket.to(tl.int64) << shift)
     return (prefix - 2147483648).to(tl.int32), need
@@ -105,9 +110,7 @@ def topk_select_kernel(
     base = SCORES + h * stride_sh
     offs = tl.arange(0, BLOCK)
 
-    # Radix select of the threshold T = the K-th largest key, 4 bits a pass from the top: each
-    # pass counts, among keys whose higher bits equal T's so far, how many fall in each of 16
-    # buckets, and descends into the bucket that holds the K-th. 8 passes over the scores.
+    # radix select of the threshold T = the K-th largest key: 4 passes over the scores
     lo, need = _radix_threshold(base, C, K, BLOCK)
 
     # compaction in id order: the output is sorted ascending for free

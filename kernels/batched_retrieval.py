@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .chunk_gather import chunk_gather
-from .chunk_topk import chunk_topk
+from .chunk_topk import chunk_topk, launch_topk
 from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
 from .quant_keys import launch_scores, quant_key_topk
 
@@ -143,15 +143,11 @@ def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable) -> None:
             HAS_SCALE=True, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_C=block_c, BLOCK_D=block_d, TABLE=True,
             num_warps=4,
         )
-    block_s = next_power_of_2(min(1024, c_max))
-    mod_top.topk_select_kernel[(rows,)](
-        scores, want, table, c_max, n_max, scores.stride(0), want.stride(0),
-        BLOCK=block_s, TABLE=True, num_warps=4 if block_s <= 1024 else 8,
-    )
+    launch_topk(scores, n_max, out=want, table=table)
     mod_gat.gather_plan_kernel[(rows,)](
         first.resident, want, assign, first.moved, table, n_max, d * 2 * first.host_k.element_size(),
         0, want.stride(0), assign.stride(0),
-        BLOCK_N=next_power_of_2(n_max), BLOCK_J=min(64, next_power_of_2(n_max)), TABLE=True,
+        BLOCK_N=min(64, next_power_of_2(n_max)), BLOCK_J=min(64, next_power_of_2(n_max)), TABLE=True,
     )
     mod_gat.chunk_gather_kernel[(rows, n_max)](
         first.host_k, first.host_v, first.store_k, first.store_v, first.slot_base, assign, table, chunk_max, d,

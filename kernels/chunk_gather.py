@@ -179,7 +179,7 @@ def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want):
         mod.gather_plan_kernel[(H,)](
             resident_in, want, assign, moved, base, n, c * d * 2 * host_k.element_size(),
             resident_in.stride(0), want.stride(0), assign.stride(0),
-            BLOCK_N=next_power_of_2(n), BLOCK_J=min(64, next_power_of_2(n)),
+            BLOCK_N=min(64, next_power_of_2(n)), BLOCK_J=min(64, next_power_of_2(n)),  # tiles: any n
         )
         if resident_in is not resident:
             resident.copy_(resident_in)

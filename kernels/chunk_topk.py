@@ -73,13 +73,14 @@ def chunk_topk_torch(q, landmarks, k, landmark_scale=None):
 def chunk_topk_triton(q, landmarks, k, landmark_scale=None, *, block_c=None, block_select=None,
                       return_scores=False):
     """Triton launcher of :func:`chunk_topk`: a scores kernel over (head, chunk block), then one
-    selection program per head. Raises ``RuntimeError`` where Triton cannot run these tensors.
+    selection program per head (:func:`launch_topk`): two launches. Raises ``RuntimeError`` where
+    Triton cannot run these tensors.
 
     Parameters (beyond the op's)
     ----------------------------
     block_c, block_select : int, optional
-        Chunk block of the scores kernel (default 64) and of the selection loop (default
-        min(1024, next_pow2(C))); tests use small ones to cover several blocks.
+        Chunk block of the scores kernel (default 64) and of the selection loop (see
+        :func:`launch_topk`); tests use small ones to cover several blocks.
     return_scores : bool
         Also return the fp32 scores [H, C].
     """
@@ -114,13 +115,41 @@ def _launch(q, landmarks, k, landmark_scale=None, *, block_c=None, block_select=
         BLOCK_D=BLOCK_D, num_warps=4,
     )
     if kk > 0:
-        block_s = next_power_of_2(block_select or min(1024, C))
-        mod.topk_select_kernel[(H,)](
-            scores, ids, ids, C, kk, scores.stride(0), ids.stride(0),
-            BLOCK=block_s, num_warps=4 if block_s <= 1024 else 8,
-        )
+        launch_topk(scores, kk, out=ids, block=block_select)
     return (ids, scores) if return_scores else ids
 
+
+def launch_topk(scores, k, *, out=None, table=None, block=None):
+    """The Triton selection: ids of the ``min(k, C)`` largest ``scores`` [rows, C] per row,
+    ascending (ties: lowest id), written to ``out`` [rows, >= min(k, C)] int64 (new if None).
+
+    One launch, one program per row: an exact radix select of the k-th largest score (8 bits a
+    pass, 4 passes over the row's scores) and a compaction pass in id order; no host sync, no
+    data-dependent shape, the same work for any k. Rows of up to 64k candidates (2-bit keys
+    rank every token of a 64k prompt) take 16 blocks of 4096 a pass.
+
+    Parameters
+    ----------
+    table : Tensor, optional
+        ``TABLE`` mode (``batched_retrieval.py``): each row's own chunk count and k come from its
+        table row; ``k`` and C are then the largest of them.
+    block : int, optional
+        Scores a loop step (a power of two, at least 256; default min(4096, next_pow2(C))); tests
+        use small ones to cover several blocks.
+    """
+    rows, C = scores.shape
+    kk = min(int(k), C)
+    if out is None:
+        out = torch.empty(rows, max(kk, 0), dtype=torch.int64, device=scores.device)
+    if rows == 0 or kk <= 0:
+        return out
+    mod = load_triton_module("_chunk_topk_triton")
+    block_s = max(256, next_power_of_2(block or min(4096, C)))  # >= the histogram's 256 buckets
+    mod.topk_select_kernel[(rows,)](
+        scores, out, out if table is None else table, C, kk, scores.stride(0), out.stride(0),
+        BLOCK=block_s, TABLE=table is not None, num_warps=4 if block_s <= 1024 else 8,
+    )
+    return out
 
 
 def chunk_topk(q, landmarks, k, landmark_scale=None, backend="auto"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunk_topk import _topk_ids_from_scores
+from .chunk_topk import _topk_ids_from_scores, launch_topk
 from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
 
 __all__ = ["pack_keys", "quant_key_scores_torch", "quant_key_topk", "unpack_codes"]
@@ -132,14 +132,5 @@ def quant_key_topk(q, codes, bounds, chunk: int, k: int, backend: str = "auto") 
         Chunk ids, ascending per head; ties: lowest id wins (as :func:`chunk_topk`).
     """
     if resolve_backend(backend, q, codes) == "triton":
-        scores = launch_scores(q, codes, bounds, chunk)
-        mod = load_triton_module("_chunk_topk_triton")
-        H, C = scores.shape
-        kk = min(int(k), C)
-        ids = torch.empty(H, max(kk, 0), dtype=torch.int64, device=q.device)
-        if kk > 0:
-            block = next_power_of_2(min(1024, C))
-            mod.topk_select_kernel[(H,)](scores, ids, ids, C, kk, scores.stride(0), ids.stride(0),
-                                         BLOCK=block, num_warps=4)
-        return ids
+        return launch_topk(launch_scores(q, codes, bounds, chunk), k)
     return _topk_ids_from_scores(quant_key_scores_torch(q, codes, bounds, chunk), k)

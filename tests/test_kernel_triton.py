@@ -277,6 +277,29 @@ def test_fused_gather_plan_pairs_slots_like_the_torch_plan(n):
     assert results["torch"][3] == results["triton"][3] and results["triton"][3][1] % per_chunk == 0
 
 
+@pytest.mark.parametrize("block_n,block_j", [(16, 8), (8, 32)])
+def test_gather_plan_kernel_tiles_match_the_torch_plan(block_n, block_j):
+    """The plan kernel walks the slots and the wanted ids in tiles smaller than n (as at real slot
+    counts): the same plan as :func:`gather_plan`, with hits, misses, empty slots and a partial tile."""
+    from hybridkv_kernels.dispatch import load_triton_module
+
+    mod = load_triton_module("_chunk_gather_triton")
+    H, C, n = 3, 300, 70
+    g = torch.Generator().manual_seed(block_n)
+    resident = torch.stack([torch.randperm(C, generator=g)[:n] for _ in range(H)])
+    resident[1, ::3] = -1
+    want = torch.stack([torch.cat([r[r >= 0][: n // 2], torch.arange(C - n, C)])[:n] for r in resident])
+    want = want[:, torch.randperm(n, generator=g)]
+    expect = hk.gather_plan(resident, want, C)
+    res, assign = resident.clone().to(DEV), torch.empty(H, n, dtype=torch.int64, device=DEV)
+    moved = torch.zeros((), dtype=torch.int64, device=DEV)
+    mod.gather_plan_kernel[(H,)](res, want.to(DEV), assign, moved, moved, n, 10, res.stride(0), n, n,
+                                 BLOCK_N=block_n, BLOCK_J=block_j)
+    assert torch.equal(assign.cpu(), expect)
+    assert torch.equal(res.cpu(), torch.where(expect >= 0, expect, resident))
+    assert int(moved) == 10 * int((expect >= 0).sum())
+
+
 # --------------------------------------------------------------------------- dispatch
 
 

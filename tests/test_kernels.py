@@ -409,7 +409,7 @@ def test_kernels_compile_for_sm90_without_spills():
                                                    stride_sh=8188, stride_oh=512), dict(BLOCK=1024, TABLE=table))
         _compile_sm90(gat.gather_plan_kernel, dict(
             RESIDENT=i64, WANT=i64, ASSIGN=i64, MOVED=i64, TAB=i64, n=512, chunk_bytes=4096, stride_rh=512,
-            stride_wh=512, stride_ah=512), dict(BLOCK_N=512, BLOCK_J=64, TABLE=table))
+            stride_wh=512, stride_ah=512), dict(BLOCK_N=64, BLOCK_J=64, TABLE=table))
         _compile_sm90(gat.chunk_gather_kernel, dict(
             HK=bf16, HV=bf16, SK=bf16, SV=bf16, SLOT_BASE=i64, ASSIGN=i64, TAB=i64, c=8, D=128,
             stride_hkh=8188 * 1024, stride_hkc=1024, stride_hkt=128, stride_hvh=8188 * 1024,
