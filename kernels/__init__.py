@@ -10,6 +10,7 @@ Public ops (each takes ``backend="auto" | "torch" | "triton"``, see :mod:`.dispa
   (:func:`pack_keys`): a chunk scores as its best token.
 - :func:`chunk_gather` -- load missing chunks from the host store into device slots.
 - :func:`chunk_retrieve` -- both, for the dynamic heads of several sequences in one pass.
+- :func:`refresh_want` -- the refresh of pruned heads on the device (drift, trigger, re-selection).
 - :func:`window_scores` -- causal window attention + max-pooled scores (prefill; torch only).
 
 The folder ships as ``hybridkv_kernels`` (setuptools ``package-dir``): there is deliberately
@@ -31,8 +32,9 @@ from .decode_attention import (
     ragged_decode_attention_triton,
     segment_table,
 )
-from .dispatch import BACKENDS, HAS_TRITON, resolve_backend, triton_interpreting
+from .dispatch import BACKENDS, HAS_TRITON, cuda_path, emulating_cuda, resolve_backend, triton_interpreting
 from .quant_keys import pack_keys, quant_key_scores_torch, quant_key_topk, unpack_codes
+from .refresh_step import RefreshState, refresh_want
 from .window_scores import window_scores, window_scores_torch
 
 __all__ = [
@@ -51,8 +53,10 @@ __all__ = [
     "chunk_topk",
     "chunk_topk_torch",
     "chunk_topk_triton",
+    "cuda_path",
     "decode_split_heuristic",
     "dense_decode_attention",
+    "emulating_cuda",
     "gather_plan",
     "pack_keys",
     "quant_key_scores_torch",
@@ -60,6 +64,8 @@ __all__ = [
     "ragged_decode_attention",
     "ragged_decode_attention_torch",
     "ragged_decode_attention_triton",
+    "refresh_want",
+    "RefreshState",
     "resolve_backend",
     "retrieval_table",
     "segment_table",

@@ -93,15 +93,15 @@ def chunk_retrieve(queries: list[torch.Tensor], parts: list[RetrievalPart], back
                    table: RetrievalTable | None = None) -> None:
     """Load every part's wanted chunks for its query (``queries[i]``: [H_i, G, d], part i's heads).
 
-    ``backend`` resolves as ``chunk_gather``'s does (on CUDA the torch path until the zero-copy
-    gather is validated on a GPU); the result is the parts' slots, resident ids and byte counters.
+    ``backend`` resolves as every op's does (:mod:`.dispatch`); the result is the parts' slots,
+    resident ids and byte counters.
     With Triton the parts go through the ``TABLE``-mode kernels (four launches for all of them),
     ``table`` (:func:`retrieval_table`) built earlier or now; a single part without a table takes
     the single-sequence kernels.
     """
     if not parts:
         return
-    if resolve_backend(backend, queries[0], parts[0].store_k, op="chunk_gather") != "triton" or (
+    if resolve_backend(backend, queries[0], parts[0].store_k) != "triton" or (
             len(parts) == 1 and table is None):
         for q, p in zip(queries, parts):
             _one(q, p, backend)
@@ -118,8 +118,7 @@ def _one(q: torch.Tensor, p: RetrievalPart, backend: str) -> None:
         want = quant_key_topk(q, p.landmarks, p.landmark_scale, p.host_k.shape[2], p.resident.shape[1], backend)
     else:
         want = chunk_topk(q, p.landmarks, p.resident.shape[1], landmark_scale=p.landmark_scale, backend=backend)
-    p.moved.add_(chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want,
-                              backend=backend))
+    chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want, backend, p.moved)
 
 
 def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable) -> None:

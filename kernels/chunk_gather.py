@@ -100,8 +100,8 @@ def _side_stream(device: torch.device):
     return _SIDE_STREAMS[idx]
 
 
-def chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want):
-    """Torch path of :func:`chunk_gather` (the reference semantics; the CUDA default).
+def chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None):
+    """Torch path of :func:`chunk_gather` (the reference semantics; the CPU path).
 
     Copies only the missing chunks: one host ``index_select`` per tensor, then on CUDA into a
     pinned staging buffer and ``copy_(non_blocking=True)`` on a side stream, K's DMA running
@@ -142,10 +142,12 @@ def chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, wa
                 chunk = src.index_select(0, src_idx)
                 store.index_copy_(0, dst, chunk.view(m * c, d).to(device=dev, dtype=store.dtype))
         resident.copy_(torch.where(sel, assign, resident))
-    return torch.tensor(m * c * d * 2 * host_k.element_size(), device=dev)
+    if moved is None:
+        return torch.tensor(m * c * d * 2 * host_k.element_size(), device=dev)
+    return moved.add_(m * c * d * 2 * host_k.element_size())
 
 
-def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want):
+def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None):
     """Zero-copy Triton path of :func:`chunk_gather` (see ``_chunk_gather_triton.py``).
 
     On CUDA the host tensors must be pinned (read through UVA); under the interpreter every
@@ -153,10 +155,10 @@ def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, w
     ``RuntimeError`` where Triton cannot run these tensors.
     """
     resolve_backend("triton", store_k)
-    return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want)
+    return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved)
 
 
-def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want):
+def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None):
     """:func:`chunk_gather_triton` once the backend is resolved."""
     _check(host_k, host_v, store_k, store_v, slot_base, resident, want)
     if store_k.is_cuda and not (host_k.is_pinned() and host_v.is_pinned()):
@@ -171,7 +173,7 @@ def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want):
     mod = load_triton_module("_chunk_gather_triton")
     dev = store_k.device
     base = slot_base.to(device=dev, dtype=torch.int64).contiguous()
-    moved = torch.zeros((), dtype=torch.int64, device=dev)
+    moved = torch.zeros((), dtype=torch.int64, device=dev) if moved is None else moved
     if H and n:  # two launches: the plan (which slot loads which chunk), then the copies
         resident_in = resident if resident.is_contiguous() else resident.contiguous()
         want = want.to(device=dev, dtype=torch.int64).contiguous()
@@ -193,7 +195,7 @@ def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want):
     return moved  # stays on the device: no sync
 
 
-def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, backend="auto"):
+def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, backend="auto", moved=None):
     """Make each dynamic head's device slots hold exactly its wanted chunks.
 
     Parameters
@@ -210,8 +212,10 @@ def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, ba
         The chunk set to hold (distinct ids in [0, C) per row, any order), e.g. from
         :func:`chunk_topk` (then n = min(k, C)).
     backend : {"auto", "torch", "triton"}
-        "triton" is the zero-copy kernel. "auto" on CUDA picks the side-stream torch copy
-        until the zero-copy kernel is validated on a GPU (see :mod:`hybridkv_kernels.dispatch`).
+        "triton" is the zero-copy kernel, what "auto" takes on CUDA (no host sync); the torch
+        path needs the plan on the host (see :mod:`hybridkv_kernels.dispatch`).
+    moved : Tensor (0-d, int64, on the store's device), optional
+        A byte counter to add the bytes moved to (in place, on the device), and return.
 
     Returns
     -------
@@ -220,6 +224,6 @@ def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, ba
         chunk is already resident. A device tensor, so a caller can add it up over a whole
         generation and read it once at the end.
     """
-    if resolve_backend(backend, store_k, op="chunk_gather") == "triton":
-        return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want)
-    return chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want)
+    if resolve_backend(backend, store_k) == "triton":
+        return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved)
+    return chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved)

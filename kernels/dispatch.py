@@ -6,11 +6,18 @@ with :func:`resolve_backend`, the one place the rule lives:
 * ``"torch"``  -- the torch reference (also the production path on CPU).
 * ``"triton"`` -- the Triton kernel: compiled for CUDA tensors; for CPU tensors the Triton
   interpreter, which needs ``TRITON_INTERPRET=1`` (see below), else ``RuntimeError``.
-* ``"auto"``   -- Triton when the tensors are on CUDA and triton imports; Triton through the
-  interpreter when the tensors are on the CPU and the interpreter is active; else torch.
-  Ops in :data:`AUTO_TORCH_ON_CUDA` keep their torch path on CUDA: ``chunk_gather``'s zero-copy
-  kernel (host memory read through UVA) is not yet validated on a GPU, so its side-stream torch
-  copy serves until it is.
+* ``"auto"``   -- Triton when the tensors take the CUDA path (:func:`cuda_path`) and triton
+  imports; Triton through the interpreter when the tensors are on the CPU and the interpreter is
+  active; else torch.
+
+The CUDA path, emulated
+-----------------------
+Every choice that differs between CUDA and the CPU -- which backend ``"auto"`` takes, whether a
+step may branch on a device value on the host -- asks :func:`cuda_path`. With
+``HYBRIDKV_EMULATE_CUDA=1`` (and ``TRITON_INTERPRET=1``) it answers True for CPU tensors too, so
+a CPU run takes exactly the choices and branches CUDA takes, its kernels under the interpreter:
+what an op watch counts there (``op_watch.py``) is what a GPU step would launch and wait for.
+Only memory facts stay real (pinned host memory and streams exist on CUDA only).
 
 The interpreter mode
 --------------------
@@ -41,8 +48,10 @@ from types import ModuleType
 import torch
 
 __all__ = [
-    "AUTO_TORCH_ON_CUDA",
     "BACKENDS",
+    "EMULATE_ENV",
+    "cuda_path",
+    "emulating_cuda",
     "HAS_TRITON",
     "interpret_requested",
     "load_triton_module",
@@ -57,8 +66,8 @@ BACKENDS = ("auto", "torch", "triton")
 # here; importing it would freeze the interpreter mode (see the module docstring).
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-#: Ops whose Triton kernel "auto" does not pick on CUDA until it is validated on a GPU.
-AUTO_TORCH_ON_CUDA = frozenset({"chunk_gather"})
+#: The environment variable that makes CPU tensors take the CUDA path (module docstring).
+EMULATE_ENV = "HYBRIDKV_EMULATE_CUDA"
 
 _WARNED: set[str] = set()
 
@@ -66,6 +75,19 @@ _WARNED: set[str] = set()
 def interpret_requested() -> bool:
     """Whether the environment asks for the Triton interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def emulating_cuda() -> bool:
+    """Whether ``HYBRIDKV_EMULATE_CUDA=1`` asks CPU tensors to take the CUDA path."""
+    return os.environ.get(EMULATE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def cuda_path(*where) -> bool:
+    """Whether work on these tensors (or devices) takes the CUDA path: they are on CUDA, or
+    :func:`emulating_cuda`. The one place the rule lives: every backend choice and every
+    "may the host branch on a device value" decision asks it."""
+    return emulating_cuda() or any(
+        (w.is_cuda if isinstance(w, torch.Tensor) else torch.device(w).type == "cuda") for w in where)
 
 
 def _triton_language():
@@ -94,7 +116,7 @@ def _warn_once(msg: str) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
-def resolve_backend(backend: str, *tensors: torch.Tensor, op: str | None = None) -> str:
+def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     """Choose the implementation for tensors on one device (the rules: module docstring).
 
     Parameters
@@ -103,8 +125,6 @@ def resolve_backend(backend: str, *tensors: torch.Tensor, op: str | None = None)
         The caller's request.
     *tensors : torch.Tensor
         The op's device tensors (host-side tensors of ``chunk_gather`` are not passed).
-    op : str, optional
-        The op's name, for the ops "auto" keeps on torch on CUDA (:data:`AUTO_TORCH_ON_CUDA`).
 
     Returns
     -------
@@ -118,27 +138,28 @@ def resolve_backend(backend: str, *tensors: torch.Tensor, op: str | None = None)
         Unknown backend name.
     RuntimeError
         ``backend="triton"`` while triton is not importable, or on CPU tensors while the
-        interpreter is not active.
+        interpreter is not active (with ``HYBRIDKV_EMULATE_CUDA=1``, ``"auto"`` too).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return "torch"
-    on_cuda = any(t.is_cuda for t in tensors)
-    if backend == "triton":
+    on_gpu = any(t.is_cuda for t in tensors)
+    emulated = not on_gpu and cuda_path(*tensors)
+    if backend == "triton" or (emulated and HAS_TRITON):
         if _triton_language() is None:
             raise RuntimeError("backend='triton' requested but triton is not importable")
-        if not on_cuda and not triton_interpreting():
+        if not on_gpu and not triton_interpreting():
             raise RuntimeError(
-                "backend='triton' on CPU tensors needs the Triton interpreter: set "
-                "TRITON_INTERPRET=1 before triton is first imported (e.g. in the environment "
-                "of the process)")
+                f"backend='triton' on CPU tensors{' (' + EMULATE_ENV + '=1)' if emulated else ''} needs the "
+                "Triton interpreter: set TRITON_INTERPRET=1 before triton is first imported (e.g. in the "
+                "environment of the process)")
         return "triton"
     # auto
     if not HAS_TRITON:
         return "torch"
-    if on_cuda:
-        return "triton" if op not in AUTO_TORCH_ON_CUDA and _triton_language() is not None else "torch"
+    if on_gpu:
+        return "triton" if _triton_language() is not None else "torch"
     if interpret_requested():
         if triton_interpreting():
             return "triton"

@@ -73,8 +73,10 @@ class LayerKV:
     #: none), run before :meth:`segments`: a batch runs all its members' in one pass.
     dynamic = None
 
-    def segments(self, query: torch.Tensor, scale: float) -> RaggedKV:
-        """Do this step's work for ``query`` [H_kv, G, d]; return the rows the step attends."""
+    def segments(self, query: torch.Tensor, scale: float, count: torch.Tensor | None = None) -> RaggedKV:
+        """Do this step's work for ``query`` [H_kv, G, d]; return the rows the step attends
+        (``count``: in a batch, the generated rows on the device; the step's work reads it rather
+        than the host's count, so the step repeats exactly)."""
         raise NotImplementedError
 
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:

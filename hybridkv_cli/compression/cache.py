@@ -260,7 +260,8 @@ class BatchedKV:
                          segment_table([kv.store.segments() for kv in layers], batch.counts))
         retrieval, table = self.plan
         DynamicHeads.refresh_all(dynamic, "triton", retrieval)
-        parts = [kv.segments(q, scale) for kv, q in zip(layers, queries)]
+        counts = batch.counts
+        parts = [kv.segments(q, scale, counts[b:b + 1]) for b, (kv, q) in enumerate(zip(layers, queries))]
         return batched_decode_attention(query, parts, scale=scale, backend="triton", table=table)
 
 
@@ -303,7 +304,7 @@ class BatchCache(AttendingCache):
         for layer in self.layers:
             layer.kv.plan = None
         self.planned = bool(self.members) and all(c.replayable for c in self.members) and (
-            resolve_backend(self.backend, self.counts, op="chunk_gather") == "triton")
+            resolve_backend(self.backend, self.counts) == "triton")
 
     def begin_step(self) -> None:
         """On the device: one more generated row per member, written at ``rows``."""

@@ -36,11 +36,11 @@ class HybridLayerKV(LayerKV):
 
     @property
     def replayable(self) -> bool:
-        return self.refresher is None
+        return self.refresher is None or self.refresher.replayable
 
-    def segments(self, query: torch.Tensor, scale: float):
+    def segments(self, query: torch.Tensor, scale: float, count: torch.Tensor | None = None):
         if self.refresher is not None:
-            self.refresher.refresh(query, self.store, scale)
+            self.refresher.refresh(query, self.store, scale, count)
         return self.store.segments()
 
     def device_bytes(self) -> int:

@@ -53,7 +53,7 @@ class QuestLayerKV(LayerKV):
         """Prompt entries each head reads per step: the selected pages and the last page."""
         return self.pages * self.page_size + self.length - self.kmin.shape[1] * self.page_size
 
-    def segments(self, query: torch.Tensor, scale: float) -> RaggedKV:
+    def segments(self, query: torch.Tensor, scale: float, count: torch.Tensor | None = None) -> RaggedKV:
         self.steps += 1
         if self.pages == self.kmin.shape[1]:  # every page: read the store as it is
             self.max_read = max(self.max_read, self.length)

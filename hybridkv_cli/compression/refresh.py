@@ -23,13 +23,15 @@ paper's c is 32-224) move, the rest hold the best of the prefill selection for g
 reads ``5c`` vectors whatever the budget: at a 16k-token prompt and b = 0.1 a head has ~1600
 slots, and re-selecting all of them would read 8000 keys per refresh.
 
-The decision stays on the device: the new selection is computed at every step and merged with
-the old one under the trigger mask (``torch.where``); an untriggered layer "wants" what it
-holds, so the gather copies nothing. That is the path for CUDA, where reading the trigger on the
-host would stall the launch queue. On the CPU reading it costs nothing, so there the refresh is
-skipped when the trigger does not fire (``branching``); a test checks that both paths give the
-same tokens. Host→device bytes are counted as a masked read moves them: candidate keys and
-missing entries of triggered steps only.
+The decision stays on the device on the CUDA path (``hybridkv_kernels.refresh_want``): five
+launches a layer-step, the same whether the trigger fires or not (a CUDA graph replays them),
+the candidates' keys read by a kernel in place in pinned host memory where it fired, and an
+untriggered layer "wants" what it holds, so the gather copies nothing. The torch path below is
+the reference and the CPU path: reading the trigger on the host costs nothing there, so the
+refresh is skipped when it does not fire (``branching``); its branch-free form (the new
+selection merged under the trigger mask) is what a test compares the branching one with.
+Host→device bytes are counted on the device as the kernels move them: candidate keys of
+triggered steps (``key_reads``) and every entry the gather copies (``transferred``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ import torch
 from hybridkv_cli.compression.base import Policy, check_choice
 from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
-from hybridkv_kernels import chunk_gather
+from hybridkv_kernels import chunk_gather, cuda_path, refresh_want, resolve_backend
+from hybridkv_kernels.refresh_step import RefreshState
 
 REFRESH_KINDS = ("none", "rcr", "periodic")
 
@@ -156,7 +159,8 @@ class Refresher:
     tail : int
         Rows after the slots in each head's segment (fixed entries + window).
     branching : bool | None
-        Skip the re-selection on the host when the trigger does not fire; None: on the CPU only.
+        Torch path: skip the re-selection on the host when the trigger does not fire; None: off
+        the CUDA path only (``hybridkv_kernels.cuda_path``).
     """
 
     heads: torch.Tensor
@@ -175,7 +179,7 @@ class Refresher:
     def __post_init__(self):
         device = self.resident.device
         if self.branching is None:
-            self.branching = device.type == "cpu"
+            self.branching = not cuda_path(device)
         # Device counters, read once at the end of the generation.
         self.refreshes = torch.zeros((), dtype=torch.long, device=device)  # triggered layer-steps
         self.clock = torch.zeros((), dtype=torch.long, device=device)  # decode steps (periodic trigger)
@@ -205,16 +209,32 @@ class Refresher:
         slot_base = store.offsets[heads].clone()
         resident = torch.full_like(moving, -1)
         chunk_gather(host_k, host_v, store.keys, store.values, slot_base, resident, moving)
-        return cls(heads, host_k, host_v, detector, slot_base, resident, fixed, tail, options, controller, **kw)
+        return cls(heads, host_k, host_v, detector, slot_base, resident, fixed.contiguous(), tail, options, controller,
+                   **kw)
 
     @staticmethod
     def device_bytes_for(heads: int, slots: int, tokens: int, dim: int, rank: int) -> int:
         """Device bytes of the state besides the store rows, before building it."""
         return LowRankKeys.bytes_for(heads, tokens, dim, rank) + 8 * heads * (slots + 2)
 
-    def refresh(self, query: torch.Tensor, store: RaggedStore, scale: float) -> None:
-        """Re-select the moving slots for this step's ``query`` [H_kv, G, d] where the trigger fires."""
+    @property
+    def replayable(self) -> bool:
+        """The step takes the kernels (the same launches every step, no host branch)."""
+        return resolve_backend("auto", self.resident) == "triton"
+
+    def refresh(self, query: torch.Tensor, store: RaggedStore, scale: float, count: torch.Tensor | None = None) -> None:
+        """Re-select the moving slots for this step's ``query`` [H_kv, G, d] where the trigger fires
+        (``count``: the generated rows on the device, in a batch; else the store's ``n_gen``)."""
         self.steps += 1
+        if resolve_backend("auto", query, store.keys) == "triton":
+            query = query if query.stride(-1) == 1 else query.contiguous()
+            o = self.options
+            want = refresh_want(query, self._state(), store.keys, store.gen_k, store.n_gen if count is None else count,
+                                scale, kind=o.kind, rate=o.rate, eta=o.eta, period=o.period,
+                                candidates=self._candidates())
+            chunk_gather(self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want,
+                         "triton", self.transferred)
+            return
         q = query[self.heads].float()
         kept, approx, held, drift = self._drift(q, store, scale)
         fired = self._fire(drift)
@@ -224,10 +244,16 @@ class Refresher:
             want = self._reselect(q, kept, approx, held)
         else:
             want = torch.where(fired, self._reselect(q, kept, approx, held), self.resident)
-        self.transferred += chunk_gather(self.host_k, self.host_v, store.keys, store.values,
-                                         self.slot_base, self.resident, want)
+        chunk_gather(self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want,
+                     "torch", self.transferred)
         self.refreshes += fired.long()
         self.key_reads += fired.long() * (self.heads.numel() * self._candidates() * self.host_k[0, 0].nbytes)
+
+    def _state(self) -> RefreshState:
+        d = self.detector
+        return RefreshState(self.heads, self.host_k, d.basis, d.codes, d.scale, self.slot_base, self.resident,
+                            self.fixed, self.resident.shape[1] + self.tail, self.controller.tau, self.clock,
+                            self.refreshes, self.key_reads)
 
     def _drift(self, q: torch.Tensor, store: RaggedStore, scale: float):
         """Unscaled exact logits of the moving slots [H_r, G, c], low-rank logits of every

@@ -82,13 +82,13 @@ class RetentiveLayerKV(LayerKV):
     def __post_init__(self):
         self.transferred = torch.zeros((), dtype=torch.long, device=self.store.keys.device)
 
-    def segments(self, query: torch.Tensor, scale: float):
+    def segments(self, query: torch.Tensor, scale: float, count: torch.Tensor | None = None):
         if self.resident is not None:  # bring back the group whose state the query ranks first
             heads, states = self.state_rows.shape
             keys = self.store.keys.index_select(0, self.state_rows.flatten()).view(heads, states, -1)
             want = torch.bmm(query.to(keys.dtype), keys.transpose(1, 2)).amax(dim=1).argmax(dim=1, keepdim=True)
-            self.transferred += chunk_gather(self.host_k, self.host_v, self.store.keys, self.store.values,
-                                             self.slot_base, self.resident, want)
+            chunk_gather(self.host_k, self.host_v, self.store.keys, self.store.values, self.slot_base, self.resident,
+                         want, moved=self.transferred)
         return self.store.segments()
 
     def device_bytes(self) -> int:

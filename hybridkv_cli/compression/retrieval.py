@@ -77,9 +77,8 @@ class DynamicHeads:
         if self.resident.shape[1] == 0:
             return
         want = self.landmarks.top(query[self.heads], self.resident.shape[1])
-        self.transferred += chunk_gather(
-            self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want, backend
-        )
+        chunk_gather(self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want, backend,
+                     self.transferred)
 
     @staticmethod
     def one_pass(items: list[tuple["DynamicHeads", torch.Tensor, RaggedStore]]) -> list:

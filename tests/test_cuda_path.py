@@ -1,0 +1,188 @@
+"""The decode step CUDA takes, counted on the CPU: no host sync, launches within their ceilings.
+
+The script runs with ``HYBRIDKV_EMULATE_CUDA=1`` and ``TRITON_INTERPRET=1``: every backend choice
+and branch is the one CUDA takes (``hybridkv_kernels.cuda_path``), the Triton kernels run under the
+interpreter where CUDA would launch them, and an op watch with the layer's host stores counts,
+per layer-step (the new token's append and the layer's attention with its retrieval and refresh),
+every sync (a value read on the host, a data-dependent shape, a copy to the host, a torch op on a
+host store, a tensor made from host data) and every launch (``topk``/``sort`` as the kernels they
+launch). The model is a tiny Llama whose KV heads are forced half static, half dynamic, with the
+default HybridKV (2-bit keys, rate-controlled refresh, whose trigger fires on some layer-steps and
+not on others), decoded alone and as a batch of two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Launches per layer-step with both head kinds: the design's targets.
+CEILING_NO_REFRESH = 14
+CEILING_REFRESH = 24
+
+SCRIPT = r"""
+import json, sys
+from collections import Counter
+from types import SimpleNamespace
+import torch
+sys.path.insert(0, "tests")
+from test_methods import CONTEXT, QUESTION, tiny_text_model
+import hybridkv_cli.compression.cache as cache_mod
+import hybridkv_cli.compression.hybridkv as hybrid_mod
+from hybridkv_cli.batching import Decoder, prefill
+from hybridkv_cli.compression import make_policy
+from hybridkv_cli.demo import build_demo
+from hybridkv_cli.generation import generate
+from hybridkv_cli.prompt import build_text_prompt
+from hybridkv_kernels import cuda_path
+from hybridkv_kernels.op_watch import OpWatch, watch_kernels
+
+NEW = 8
+assert cuda_path(torch.zeros(1)), "HYBRIDKV_EMULATE_CUDA is not on"
+
+def forced_mix(attn, theta, topk_share, sink_aware=False):  # KV head 0 static, the others dynamic
+    static, scores = original(attn, theta, topk_share, sink_aware)
+    return torch.arange(static.shape[0]) % 2 == 0, scores
+original = hybrid_mod.classify_static
+hybrid_mod.classify_static = forced_mix
+
+llama = tiny_text_model("llama", build_demo().tokenizer)
+prompts = [build_text_prompt(llama.tokenizer, CONTEXT, QUESTION),
+           build_text_prompt(llama.tokenizer, CONTEXT[: len(CONTEXT) * 2 // 3], "Which box is on shelf 3?")]
+
+steps = []  # one Counter per layer-step (append + attention), with whether its refresh fired
+current = {}
+
+def host_of(kvs):
+    return [t for kv in kvs for part in (kv.dynamic, getattr(kv, "refresher", None)) if part is not None
+            for t in (part.host_k, part.host_v)]
+
+def refreshes(kvs):
+    return sum(int(kv.refresher.refreshes) for kv in kvs if getattr(kv, "refresher", None) is not None)
+
+def watched(kvs, fn):
+    watch = OpWatch(host=host_of(kvs))
+    with watch, watch_kernels(watch):
+        out = fn()
+    current.setdefault("ops", Counter()).update(watch.ops)
+    return out
+
+def wrap_update(cls):
+    update = cls.update
+    def run(self, key_states, value_states, *args, **kwargs):
+        kvs = [self.kv] if isinstance(self, cache_mod.PolicyLayer) else [m.layers[self.index].kv for m in self.batch.members]
+        if any(kv is None for kv in kvs):
+            return update(self, key_states, value_states, *args, **kwargs)
+        return watched(kvs, lambda: update(self, key_states, value_states, *args, **kwargs))
+    cls.update = run
+
+wrap_update(cache_mod.PolicyLayer)
+wrap_update(cache_mod.BatchLayer)
+attend = cache_mod.attend
+def attend_watched(module, *args, **kwargs):
+    cache = kwargs.get(cache_mod.CACHE_KWARG)
+    if cache is None or cache.layers[module.layer_idx].kv is None:
+        return attend(module, *args, **kwargs)
+    kvs = [cache.layers[module.layer_idx].kv] if isinstance(cache, cache_mod.PolicyCache) else \
+        [m.layers[module.layer_idx].kv for m in cache.members]
+    before = refreshes(kvs)
+    out = watched(kvs, lambda: attend(module, *args, **kwargs))
+    ops = current.pop("ops")
+    watch = OpWatch()
+    watch.ops = ops
+    steps.append({"launches": watch.launches(), "members": len(kvs), "syncs": dict(watch.syncs()),
+                  "fired": refreshes(kvs) > before,
+                  "refresh": any(getattr(kv, "refresher", None) is not None for kv in kvs),
+                  "dynamic": any(kv.dynamic is not None for kv in kvs), "ops": dict(ops)})
+    return out
+cache_mod.attend = attend_watched
+
+def summary(rows):
+    out = {}
+    for label, keep in (("both kinds, refresh fired", lambda r: r["refresh"] and r["fired"]),
+                        ("both kinds, refresh not fired", lambda r: r["refresh"] and not r["fired"])):
+        picked = [r for r in rows if r["dynamic"] and keep(r)]
+        out[label] = {"layer_steps": len(picked), "max_launches": max((r["launches"] for r in picked), default=None),
+                      "max_launches_per_member": max((r["launches"] / r["members"] for r in picked), default=None),
+                      "syncs": sum(sum(r["syncs"].values()) for r in picked),
+                      "sync_ops": dict(sum((Counter(r["syncs"]) for r in picked), Counter())),
+                      "ops_of_max": max(picked, key=lambda r: r["launches"])["ops"] if picked else None}
+    return out
+
+result = {}
+for label, options in (("default", {}), ("no refresh", {"refresh": "none"})):
+    policy = make_policy("hybridkv", budget=0.2, **options)
+    steps.clear()
+    generation = generate(llama.model, prompts[0], policy, max_new_tokens=NEW)
+    single = summary(steps)
+    single["all"] = {"max_launches": max(r["launches"] for r in steps), "syncs": sum(sum(r["syncs"].values()) for r in steps),
+                     "layer_steps": len(steps), "max_launches_per_member": max(r["launches"] for r in steps)}
+    decoder = Decoder(llama.model, NEW)
+    decoder.eos = set()
+    for i, p in enumerate(prompts):
+        g, rope = prefill(llama.model, p, policy)
+        decoder.join(i, SimpleNamespace(prompt=p), g, rope)
+    steps.clear()
+    members, planned = list(decoder.members), []
+    for _ in range(NEW - 1):
+        planned.append(decoder.cache.planned)
+        decoder.step()
+    batch = summary(steps)
+    batch["all"] = {"max_launches": max(r["launches"] for r in steps), "syncs": sum(sum(r["syncs"].values()) for r in steps),
+                    "layer_steps": len(steps), "planned": all(planned),
+                    "max_launches_per_member": max(r["launches"] / r["members"] for r in steps)}
+    result[label] = {"single": single, "batch": batch, "tokens": generation.tokens,
+                     "batch_tokens": [m.generation.tokens for m in members]}
+print(json.dumps(result))
+"""
+
+
+def run_script(env_extra: dict) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", **env_extra}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def counts():
+    pytest.importorskip("triton")
+    return run_script({"HYBRIDKV_EMULATE_CUDA": "1"})
+
+
+@pytest.mark.parametrize("run", ["single", "batch"])
+def test_no_sync_in_any_layer_step(counts, run):
+    for label in ("default", "no refresh"):
+        assert counts[label][run]["all"]["syncs"] == 0, counts[label][run]
+
+
+@pytest.mark.parametrize("run", ["single", "batch"])
+def test_refresh_fires_on_some_layer_steps_and_not_on_others(counts, run):
+    part = counts["default"][run]
+    assert part["both kinds, refresh fired"]["layer_steps"] > 0, part
+    assert part["both kinds, refresh not fired"]["layer_steps"] > 0, part
+
+
+@pytest.mark.parametrize("run", ["single", "batch"])
+def test_launches_within_the_ceilings(counts, run):
+    """Per layer-step of one sequence (a batch's layer-step over its members: the retrieval of all
+    of them is one pass, attention one launch, the appends and refreshes each member's own)."""
+    no_refresh = counts["no refresh"][run]["all"]
+    assert 0 < no_refresh["max_launches_per_member"] <= CEILING_NO_REFRESH, counts["no refresh"][run]
+    for label in ("both kinds, refresh fired", "both kinds, refresh not fired"):
+        part = counts["default"][run][label]
+        assert 0 < part["max_launches_per_member"] <= CEILING_REFRESH, part
+
+
+def test_the_batch_is_planned_and_gives_the_single_runs_tokens(counts):
+    for label in ("default", "no refresh"):
+        assert counts[label]["batch"]["all"]["planned"] is True
+        assert counts[label]["batch_tokens"][0] == counts[label]["tokens"]
