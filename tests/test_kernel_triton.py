@@ -277,10 +277,25 @@ def test_fused_gather_plan_pairs_slots_like_the_torch_plan(n):
     assert results["torch"][3] == results["triton"][3] and results["triton"][3][1] % per_chunk == 0
 
 
+def _plan_reference(resident: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """The plan's rule in plain Python (the ids may include -1: an empty slot "holds" it)."""
+    assign = torch.full_like(resident, -1)
+    for h in range(resident.shape[0]):
+        res, wanted = resident[h].tolist(), want[h].tolist()
+        free = [s for s, r in enumerate(res) if r not in wanted]
+        missing = [w for w in wanted if w not in res]
+        for s, w in zip(free, missing):
+            assign[h, s] = w
+    return torch.where(assign >= 0, assign, -1)
+
+
 @pytest.mark.parametrize("block_n,block_j", [(16, 8), (8, 32)])
-def test_gather_plan_kernel_tiles_match_the_torch_plan(block_n, block_j):
+@pytest.mark.parametrize("order", ["any", "ascending", "ascending, -1 last"])
+def test_gather_plan_kernel_tiles_match_the_reference(block_n, block_j, order):
     """The plan kernel walks the slots and the wanted ids in tiles smaller than n (as at real slot
-    counts): the same plan as :func:`gather_plan`, with hits, misses, empty slots and a partial tile."""
+    counts), by binary search when the wanted ids ascend (chunk_topk's order, padding last in
+    TABLE rows) and by comparing all pairs otherwise: the plan of :func:`gather_plan`, with
+    hits, misses, empty slots and a partial tile."""
     from hybridkv_kernels.dispatch import load_triton_module
 
     mod = load_triton_module("_chunk_gather_triton")
@@ -288,9 +303,17 @@ def test_gather_plan_kernel_tiles_match_the_torch_plan(block_n, block_j):
     g = torch.Generator().manual_seed(block_n)
     resident = torch.stack([torch.randperm(C, generator=g)[:n] for _ in range(H)])
     resident[1, ::3] = -1
-    want = torch.stack([torch.cat([r[r >= 0][: n // 2], torch.arange(C - n, C)])[:n] for r in resident])
+    fresh = [torch.tensor([c for c in range(C) if c not in set(r.tolist())]) for r in resident]
+    want = torch.stack([torch.cat([r[r >= 0][: n // 2], f])[:n] for r, f in zip(resident, fresh)])  # distinct
     want = want[:, torch.randperm(n, generator=g)]
-    expect = hk.gather_plan(resident, want, C)
+    if order != "any":
+        want = want.sort(dim=1).values
+    if order == "ascending, -1 last":
+        want[:, n - 5:] = -1
+        resident[0, :5] = -1  # head 0 holds the padding id in some slots
+    expect = _plan_reference(resident, want)
+    if order != "ascending, -1 last":
+        assert torch.equal(expect, hk.gather_plan(resident, want, C))
     res, assign = resident.clone().to(DEV), torch.empty(H, n, dtype=torch.int64, device=DEV)
     moved = torch.zeros((), dtype=torch.int64, device=DEV)
     mod.gather_plan_kernel[(H,)](res, want.to(DEV), assign, moved, moved, n, 10, res.stride(0), n, n,
