@@ -71,7 +71,12 @@ def parse_size(text: str, flag: str) -> int:
     unit = m.group(2).lower() if m else None
     if unit not in _UNITS or float(m.group(1)) <= 0:
         raise UsageError(f"expected a size such as 4GiB or 512MB, got '{text}'", flag)
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = float(m.group(1)) * _UNITS[unit]
+    if not size < 2**63:  # 1e999GiB is infinite
+        raise UsageError(f"'{text}' is too large (at most 8 EiB)", flag)
+    if size < 1:
+        raise UsageError(f"'{text}' is less than one byte", flag)
+    return int(size)
 
 
 @dataclass(eq=False)  # members are told apart by identity
@@ -103,10 +108,21 @@ def batch_info(limits: BatchLimits, joined: int, sizes: list[int], kv_peak: int,
         "size_mean": sum(sizes) / len(sizes) if sizes else 1.0,
         "kv_device_bytes_peak": kv_peak,
         "graph_replayed_steps": replayed,
+        "graph_warning": graph_warning(limits, len(sizes), replayed),
         "batch_size": limits.batch_size,
         "kv_memory": limits.kv_memory,
         "cuda_graphs": limits.cuda_graphs,
     }
+
+
+def graph_warning(limits: BatchLimits, steps: int, replayed: int) -> str | None:
+    """What the record warns of ``--cuda-graphs`` when it replayed none of an input's ``steps``
+    (the first step of a set of members runs eagerly and the second is captured, so an input
+    decoding 3 steps or more with the same members replays at least one)."""
+    if not limits.cuda_graphs or replayed or steps < 3:
+        return None
+    why = "no CUDA device" if not torch.cuda.is_available() else "a member's step is not replayable or the members changed"
+    return f"--cuda-graphs replayed none of its {steps} steps ({why})"
 
 
 @dataclass
@@ -130,8 +146,8 @@ class Decoder:
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.replay = StepReplay(self._device_step, cuda_graphs)
-        self.cache = BatchCache(model.config.get_text_config().num_hidden_layers, model.device,
-                                "triton" if self.replay.enabled else "auto")
+        # the kernels are the device's default either way: --cuda-graphs only replays them
+        self.cache = BatchCache(model.config.get_text_config().num_hidden_layers, model.device)
         self.members: list[Member] = []
         self.owner = rope_owner(model)
         self.rows = 4 if self.owner is not None else 1  # mRoPE: the text position, then 3 rotary ones

@@ -67,7 +67,11 @@ def host_of(kvs):
 def refreshes(kvs):
     return sum(int(kv.refresher.refreshes) for kv in kvs if getattr(kv, "refresher", None) is not None)
 
+steps_enabled = True
+
 def watched(kvs, fn):
+    if not steps_enabled:
+        return fn()
     watch = OpWatch(host=host_of(kvs))
     with watch, watch_kernels(watch):
         out = fn()
@@ -92,6 +96,8 @@ def attend_watched(module, *args, **kwargs):
         return attend(module, *args, **kwargs)
     kvs = [cache.layers[module.layer_idx].kv] if isinstance(cache, cache_mod.PolicyCache) else \
         [m.layers[module.layer_idx].kv for m in cache.members]
+    if not steps_enabled:
+        return attend(module, *args, **kwargs)
     before = refreshes(kvs)
     out = watched(kvs, lambda: attend(module, *args, **kwargs))
     ops = current.pop("ops")
@@ -140,6 +146,47 @@ for label, options in (("default", {}), ("no refresh", {"refresh": "none"})):
                     "max_launches_per_member": max(r["launches"] / r["members"] for r in steps)}
     result[label] = {"single": single, "batch": batch, "tokens": generation.tokens,
                      "batch_tokens": [m.generation.tokens for m in members]}
+
+# CUDA graphs with the default configuration: StepReplay's own bookkeeping, its graph calls stood
+# in for (capture runs the step as CUDA's warm-up would; a replay reruns it), and the traces of
+# consecutive device steps, which a replay repeats exactly
+class FakeGraph:
+    def __init__(self):
+        self.fresh = True
+    def replay(self):
+        if self.fresh:  # the capture ran the step already
+            self.fresh = False
+        else:
+            replay_step()
+import contextlib
+torch.cuda.CUDAGraph = FakeGraph
+torch.cuda.graph = lambda graph: contextlib.nullcontext()
+torch.cuda.Stream = lambda *a, **k: SimpleNamespace(wait_stream=lambda other: None)
+torch.cuda.stream = lambda stream: contextlib.nullcontext()
+torch.cuda.current_stream = lambda *a, **k: SimpleNamespace(wait_stream=lambda other: None)
+steps_enabled = False
+policy = make_policy("hybridkv", budget=0.2)
+decoder = Decoder(llama.model, NEW, cuda_graphs=True)
+decoder.replay.enabled = True
+decoder.eos = set()
+for i, p in enumerate(prompts):
+    g, rope = prefill(llama.model, p, policy)
+    decoder.join(i, SimpleNamespace(prompt=p), g, rope)
+traces, device_step = [], decoder.replay.step
+def replay_step():
+    watch = OpWatch(trace=True)
+    with watch, watch_kernels(watch):
+        device_step()
+    traces.append(watch.trace)
+decoder.replay.step = replay_step
+members = list(decoder.members)
+from hybridkv_cli.batching import BatchLimits
+for _ in range(NEW - 1):
+    decoder.step()
+limits = BatchLimits(batch_size=2, cuda_graphs=True)
+result["graphs"] = {"replayed": [m.replayed for m in members], "warning": [m.info(limits)["graph_warning"] for m in members],
+                    "same_trace": [traces[i] == traces[i + 1] for i in range(1, len(traces) - 1)],
+                    "tokens": [m.generation.tokens for m in members]}
 print(json.dumps(result))
 """
 
@@ -186,3 +233,14 @@ def test_the_batch_is_planned_and_gives_the_single_runs_tokens(counts):
     for label in ("default", "no refresh"):
         assert counts[label]["batch"]["all"]["planned"] is True
         assert counts[label]["batch_tokens"][0] == counts[label]["tokens"]
+
+
+def test_cuda_graphs_replay_the_default_configuration(counts):
+    """Eight tokens of the default HybridKV (refresh included) in a batch with ``--cuda-graphs``:
+    the first step runs eagerly, the second is captured, the others replay; consecutive device
+    steps trace identically, and the record has no warning."""
+    graphs = counts["graphs"]
+    assert all(n >= 1 for n in graphs["replayed"]), graphs
+    assert graphs["same_trace"] and all(graphs["same_trace"]), graphs["same_trace"]
+    assert graphs["warning"] == [None, None]
+    assert graphs["tokens"] == counts["default"]["batch_tokens"]
