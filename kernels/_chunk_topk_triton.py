@@ -5,11 +5,18 @@ are in ``chunk_topk.py``.
 
 Selection without sorting: map each fp32 score to an int32 key with the same order, find the
 k-th largest key T by a radix select (8 bits a pass: 4 passes over the head's scores, which stay
-in L2, each a 256-bucket histogram in shared memory); take every chunk with key > T and the
-lowest-id chunks with key == T until k are taken; write the ids compacted in id order (a cumsum),
-i.e. already sorted. One launch, one program per head, 5 passes over its C scores whatever k:
-tens of thousands of candidates with O(BLOCK) registers; ties deterministic (lowest id wins), the
-same rule as the torch reference.
+in L2, each a 256-bucket histogram in shared memory; fewer when the bucket of the k-th holds only
+keys of the top k, typically after 2 or 3); take every chunk with key > T and the lowest-id chunks
+with key == T until k are taken; write the ids compacted in id order (a cumsum), i.e. already
+sorted. One launch, one program per head, at most 5 passes over its C scores whatever k: tens of
+thousands of candidates with O(BLOCK) registers; ties deterministic (lowest id wins), the same
+rule as the torch reference.
+
+Why one program per head: the threshold needs the whole row's histogram before each next digit,
+and the id-ordered output needs every earlier block's count, i.e. a grid-wide step between
+passes. Several blocks per head would take a launch per step (tile histograms, the threshold, a
+compaction: three launches and scratch at least), worth it only if a GPU profile shows these
+passes matter next to the step (64k candidates: 16 blocks of 4096 a pass).
 """
 
 import triton
@@ -71,27 +78,33 @@ def _radix_threshold(base, C, K, BLOCK: tl.constexpr):
     """(T, need): T = the K-th largest order key of base[:C]; need = how many keys equal to T
     belong to the top K (the others above T are all in).
 
-    8 bits a pass from the top (4 passes): each pass histograms, among the keys whose higher bits
-    equal T's so far, their next byte (256 buckets), and descends into the bucket holding the
-    K-th largest.
+    8 bits a pass from the top (at most 4 passes): each pass histograms, among the keys whose
+    higher bits equal T's so far, their next byte (256 buckets), and descends into the bucket
+    holding the K-th largest. When every key of that bucket belongs to the top K (typical once
+    the bucket is narrow: distinct scores), the search stops there: T is the bucket's lowest
+    possible key and every key >= T is in.
     """
     offs = tl.arange(0, BLOCK)
     buckets = tl.arange(0, 256)
     prefix = tl.full([], 0, tl.int64)  # T's bits found so far, in unsigned order
     need = K
+    done = tl.full([], 0, tl.int32)
     for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        high = (tl.full([], 0xFFFFFFFF, tl.int64) << (shift + 8)) & 0xFFFFFFFF  # the bits found
-        hist = tl.zeros([256], dtype=tl.int32)
-        for c0 in range(0, C, BLOCK):
-            mask = (c0 + offs) < C
-            u = _order_key(tl.load(base + c0 + offs, mask=mask, other=0.0)).to(tl.int64) + 2147483648
-            digit = ((u >> shift) & 255).to(tl.int32)
-            hist += tl.histogram(digit, 256, mask=mask & ((u & high) == prefix))
-        above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # keys in higher buckets than each bucket
-        bucket = 256 - tl.sum((above < need).to(tl.int32), 0)  # highest b with count(>= b) >= need
-        need -= tl.sum(tl.where(buckets > bucket, hist, 0), 0)
-        prefix = prefix | (bucket.to(tl.int64) << shift)
+        if done == 0:
+            shift = 24 - 8 * p
+            high = (tl.full([], 0xFFFFFFFF, tl.int64) << (shift + 8)) & 0xFFFFFFFF  # the bits found
+            hist = tl.zeros([256], dtype=tl.int32)
+            for c0 in range(0, C, BLOCK):
+                mask = (c0 + offs) < C
+                u = _order_key(tl.load(base + c0 + offs, mask=mask, other=0.0)).to(tl.int64) + 2147483648
+                digit = ((u >> shift) & 255).to(tl.int32)
+                hist += tl.histogram(digit, 256, mask=mask & ((u & high) == prefix))
+            above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # keys in higher buckets than each bucket
+            bucket = 256 - tl.sum((above < need).to(tl.int32), 0)  # highest b with count(>= b) >= need
+            need -= tl.sum(tl.where(buckets > bucket, hist, 0), 0)
+            prefix = prefix | (bucket.to(tl.int64) << shift)
+            if tl.sum(tl.where(buckets == bucket, hist, 0), 0) == need:
+                done = 1
     return (prefix - 2147483648).to(tl.int32), need
 
 

@@ -42,6 +42,18 @@ def test_topk_matches_torch_topk(C, k):
     assert torch.equal(ids, ref)
 
 
+@pytest.mark.parametrize("k", [40, 39, 41])
+def test_search_that_stops_at_the_first_byte(k):
+    """40 scores near 100 and the rest near 1 differ in their top byte: at k = 40 the first
+    pass's bucket holds exactly the top k (the search stops there); 39 and 41 go on."""
+    g = torch.Generator().manual_seed(k)
+    scores = 1.0 + torch.rand(2, 500, generator=g)
+    high = torch.randperm(500, generator=g)[:40]
+    scores[:, high] = 100.0 + torch.rand(2, 40, generator=g)
+    ids = launch_topk(scores.to(DEV), k, block=256).cpu()
+    assert torch.equal(ids, _expected(scores, k))
+
+
 def test_ties_go_to_the_lowest_ids():
     """Few distinct values (many ties, a tie at the k-th), signed zeros, infinities."""
     g = torch.Generator().manual_seed(0)
