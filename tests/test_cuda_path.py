@@ -244,3 +244,56 @@ def test_cuda_graphs_replay_the_default_configuration(counts):
     assert graphs["same_trace"] and all(graphs["same_trace"]), graphs["same_trace"]
     assert graphs["warning"] == [None, None]
     assert graphs["tokens"] == counts["default"]["batch_tokens"]
+
+
+REFRESH_SCRIPT = r"""
+import json, torch
+import hybridkv_cli.compression.refresh as refresh
+from hybridkv_cli.compression import make_policy
+from hybridkv_cli.compression.base import PrefillLayer
+
+def layer(n=160, heads=2, group=2, dim=32):
+    g = torch.Generator().manual_seed(0)
+    return PrefillLayer(index=0, num_layers=1, query=torch.randn(heads, group, n, dim, generator=g),
+                        keys=torch.randn(heads, n, dim, generator=g), values=torch.randn(heads, n, dim, generator=g),
+                        visual=torch.zeros(n, dtype=torch.bool), scale=dim**-0.5)
+
+out = []
+for options in ({"refresh": "periodic", "refresh_period": 1}, {"refresh": "rcr"},
+                {"refresh": "periodic", "refresh_period": 2, "refresh_slots": 4}):
+    runs = {}
+    for backend in ("torch", "triton"):
+        refresh.resolve_backend = lambda requested, *tensors, chosen=backend: chosen
+        prefill = layer()
+        kv = make_policy("rcr", budget=0.25, **options).compress(prefill).kv
+        kv.refresher.branching = False
+        g = torch.Generator().manual_seed(5)
+        held, outs = [], []
+        for _ in range(6):
+            outs.append(kv.attend(torch.randn(2, 2, 32, generator=g), prefill.scale))
+            kv.append(torch.randn(2, 1, 32, generator=g), torch.randn(2, 1, 32, generator=g))
+            held.append([sorted(row.tolist()) for row in kv.refresher.resident])
+        r = kv.refresher
+        runs[backend] = {"held": held, "outs": outs, "refreshes": int(r.refreshes), "transferred": int(r.transferred),
+                         "key_reads": int(r.key_reads), "tau": float(r.controller.tau)}
+    a, b = runs["torch"], runs["triton"]
+    out.append({"options": options, "same_held": a["held"] == b["held"],
+                "counters": [(a[k], b[k]) for k in ("refreshes", "transferred", "key_reads")],
+                "tau": (a["tau"], b["tau"]), "out_diff": max(float((x - y).abs().max()) for x, y in zip(a["outs"], b["outs"]))})
+print(json.dumps(out))
+"""
+
+
+def test_refresh_kernels_select_what_the_torch_refresh_selects():
+    """The device refresh (``refresh_want``, under the interpreter) against the torch reference's
+    branch-free form: the same slots after every step, the same counters and threshold."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", REFRESH_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert case["same_held"], case
+        assert all(a == b and a > 0 for a, b in case["counters"]), case
+        assert abs(case["tau"][0] - case["tau"][1]) < 1e-5, case
+        assert case["out_diff"] < 1e-4, case

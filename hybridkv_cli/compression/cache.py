@@ -271,9 +271,9 @@ class BatchCache(AttendingCache):
 
     Parameters
     ----------
-    backend : {"auto", "triton"}
-        Kernels of the step; "triton" takes the table kernels for retrieval too where "auto"
-        keeps CUDA's default gather (a CUDA graph needs the former: see :attr:`planned`).
+    backend : {"auto", "torch", "triton"}
+        Kernels of the step (see ``hybridkv_kernels.dispatch``); a batch is :attr:`planned` (its
+        step replayable) when it resolves to Triton, as "auto" does on CUDA.
     """
 
     def __init__(self, num_layers: int, device: torch.device, backend: str = "auto"):
