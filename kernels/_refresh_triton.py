@@ -16,6 +16,27 @@ Three kernels a layer-step, whatever the trigger decides (a CUDA graph can repla
 import triton
 import triton.language as tl
 
+# Channels a tl.dot step: a whole [BLOCK_G, 128] fp32 query beside [32, 128] fp32 keys ("ieee"
+# products, no tensor cores) took 255 registers and spilled on sm_90; 16 at a time do not.
+BLOCK_DK = tl.constexpr(16)
+
+
+@triton.jit
+def _group_logits(q_row, stride_qg, G, k_rows, mask_n, D,
+                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_G, BLOCK_N] fp32: the group's queries (rows of ``q_row``) · the keys starting at the
+    pointers ``k_rows`` [BLOCK_N], BLOCK_DK channels at a time (exact fp32 products)."""
+    off_g = tl.arange(0, BLOCK_G)
+    x = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for d0 in tl.static_range(0, BLOCK_D, BLOCK_DK):
+        off_d = d0 + tl.arange(0, BLOCK_DK)
+        mask_d = off_d < D
+        q = tl.load(q_row + off_g[:, None] * stride_qg + off_d[None, :],
+                    mask=(off_g < G)[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        k = tl.load(k_rows[:, None] + off_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        x += tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    return x
+
 
 @triton.jit
 def refresh_scores_kernel(
@@ -36,14 +57,11 @@ def refresh_scores_kernel(
     h = tl.program_id(0)
     head = tl.load(HEADS + h)
     off_g = tl.arange(0, BLOCK_G)
-    off_d = tl.arange(0, BLOCK_D)
     off_n = tl.arange(0, BLOCK_N)
     off_p = tl.arange(0, BLOCK_P)
     off_r = tl.arange(0, BLOCK_R)
     mask_g = off_g < G
-    mask_d = off_d < D
-    q = tl.load(Q + head * stride_qh + off_g[:, None] * stride_qg + off_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    q_row = Q + head * stride_qh
     held_row = HELD + h.to(tl.int64) * P
     score_row = SCORE + h.to(tl.int64) * P
 
@@ -66,9 +84,8 @@ def refresh_scores_kernel(
     for r0 in range(0, n_held, BLOCK_N):
         rows = r0 + off_n
         mask_n = rows < n_held
-        k = tl.load(SK + (base + rows)[:, None] * stride_skt + off_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        x = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_G, BLOCK_N], unscaled
+        x = _group_logits(q_row, stride_qg, G, SK + (base + rows) * stride_skt, mask_n, D,
+                          BLOCK_G, BLOCK_N, BLOCK_D)  # [BLOCK_G, BLOCK_N], unscaled
         kept = tl.max(tl.where(mask_g[:, None], x, float("-inf")), 0)
         tl.store(KEPT + h * c + rows, kept, mask=rows < c)
         xs = tl.where(mask_n[None, :], x * scale, float("-inf"))
@@ -81,9 +98,8 @@ def refresh_scores_kernel(
     for r0 in range(0, n_gen, BLOCK_N):
         rows = r0 + off_n
         mask_n = rows < n_gen
-        k = tl.load(gen_row + rows[:, None] * stride_gkt + off_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        xs = tl.where(mask_n[None, :], tl.dot(q, tl.trans(k), input_precision="ieee") * scale, float("-inf"))
+        x = _group_logits(q_row, stride_qg, G, gen_row + rows * stride_gkt, mask_n, D, BLOCK_G, BLOCK_N, BLOCK_D)
+        xs = tl.where(mask_n[None, :], x * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(xs, 1))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(xs - m_new[:, None]), 1)
         m = m_new
@@ -91,10 +107,17 @@ def refresh_scores_kernel(
 
     # log E: low-rank logits of every token, the mass of those not held; the candidates' scores
     mask_r = off_r < R
-    basis = tl.load(BASIS + h * D * R + off_d[:, None] * R + off_r[None, :],
-                    mask=mask_d[:, None] & mask_r[None, :], other=0.0)
+    qp = tl.zeros([BLOCK_G, BLOCK_R], dtype=tl.float32)
+    for d0 in tl.static_range(0, BLOCK_D, BLOCK_DK):
+        off_d = d0 + tl.arange(0, BLOCK_DK)
+        mask_d = off_d < D
+        q = tl.load(q_row + off_g[:, None] * stride_qg + off_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        basis = tl.load(BASIS + h * D * R + off_d[:, None] * R + off_r[None, :],
+                        mask=mask_d[:, None] & mask_r[None, :], other=0.0)
+        qp += tl.dot(q, basis, input_precision="ieee")
     lscale = tl.load(LSCALE + h * R + off_r, mask=mask_r, other=0.0)
-    qp = tl.dot(q, basis, input_precision="ieee") * lscale[None, :]  # [BLOCK_G, BLOCK_R]
+    qp = qp * lscale[None, :]  # [BLOCK_G, BLOCK_R]
     top = tl.full([BLOCK_G], float("-inf"), tl.float32)
     mass = tl.zeros([BLOCK_G], dtype=tl.float32)
     codes_row = CODES + h.to(tl.int64) * R * P
@@ -158,19 +181,13 @@ def refresh_candidates_kernel(
     out = EXACT + h * n_cand
     if tl.load(FIRED) != 0:
         head = tl.load(HEADS + h)
-        off_g = tl.arange(0, BLOCK_G)
-        off_d = tl.arange(0, BLOCK_D)
-        mask_g = off_g < G
-        mask_d = off_d < D
-        q = tl.load(Q + head * stride_qh + off_g[:, None] * stride_qg + off_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        mask_g = tl.arange(0, BLOCK_G) < G
         for j0 in range(0, n_cand, BLOCK_N):
             j = j0 + off_n
             mask_n = j < n_cand
             pos = tl.load(CAND + h * n_cand + j, mask=mask_n, other=0)
-            k = tl.load(HK + h.to(tl.int64) * stride_hkh + pos[:, None] * stride_hkp + off_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-            x = tl.dot(q, tl.trans(k), input_precision="ieee")
+            x = _group_logits(Q + head * stride_qh, stride_qg, G, HK + h.to(tl.int64) * stride_hkh + pos * stride_hkp,
+                              mask_n, D, BLOCK_G, BLOCK_N, BLOCK_D)
             tl.store(out + j, tl.max(tl.where(mask_g[:, None], x, float("-inf")), 0), mask=mask_n)
     else:
         for j0 in range(0, n_cand, BLOCK_N):
