@@ -8,9 +8,9 @@ positions are the resident ones, so the gather that follows moves nothing.
 
 1. ``refresh_scores_kernel``: held mask, per-head drift, candidate scores.
 2. ``refresh_trigger_kernel``: the layer's drift, the fired flag, the counters.
-3. top ``n_cand`` candidates by score (``topk_select_kernel``).
+3. top ``n_cand`` candidates by score (``launch_topk``).
 4. ``refresh_candidates_kernel``: their exact logits, keys read in place in host memory.
-5. top ``c`` of those (``topk_select_kernel``); then ``where(fired, chosen, resident)``.
+5. top ``c`` of those (``launch_topk``); then ``where(fired, chosen, resident)``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from .chunk_topk import launch_topk
 from .dispatch import load_triton_module, next_power_of_2
 
 __all__ = ["RefreshState", "refresh_want"]
@@ -44,15 +45,6 @@ class RefreshState(NamedTuple):
     clock: torch.Tensor
     refreshes: torch.Tensor
     key_reads: torch.Tensor
-
-
-def _topk(mod, scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Ids of the ``k`` best scores per row, ascending (ties: lowest id)."""
-    ids = torch.empty(scores.shape[0], k, dtype=torch.int64, device=scores.device)
-    block = max(256, next_power_of_2(min(4096, scores.shape[1])))
-    mod.topk_select_kernel[(scores.shape[0],)](scores, ids, ids, scores.shape[1], k, scores.stride(0), ids.stride(0),
-                                               BLOCK=block, num_warps=4 if block <= 1024 else 8)
-    return ids
 
 
 def refresh_want(query: torch.Tensor, state: RefreshState, store_k: torch.Tensor, gen_k: torch.Tensor,
@@ -81,7 +73,6 @@ def refresh_want(query: torch.Tensor, state: RefreshState, store_k: torch.Tensor
     if store_k.stride(-1) != 1 or gen_k.stride(-1) != 1 or query.stride(-1) != 1:
         raise ValueError("refresh_want needs unit stride along d")
     mod = load_triton_module("_refresh_triton")
-    topk = load_triton_module("_chunk_topk_triton")
     heads, span = state.host_k.shape[:2]
     group, dim = query.shape[1:]
     c, n_fixed, rank = state.resident.shape[1], state.fixed.shape[1], state.basis.shape[2]
@@ -106,12 +97,12 @@ def refresh_want(query: torch.Tensor, state: RefreshState, store_k: torch.Tensor
         float(rate), float(eta), int(period), heads * candidates * dim * state.host_k.element_size(),
         PERIODIC=kind == "periodic", BLOCK_H=next_power_of_2(heads),
     )
-    cand = _topk(topk, score, candidates)
+    cand = launch_topk(score, candidates)
     exact = torch.empty(heads, candidates, dtype=torch.float32, device=dev)
     mod.refresh_candidates_kernel[(heads,)](
         query, state.heads, state.host_k, cand, exact, fired, group, dim, candidates,
         query.stride(0), query.stride(1), state.host_k.stride(0), state.host_k.stride(1),
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=32, num_warps=4,
     )
-    chosen = cand.gather(1, _topk(topk, exact, c))
+    chosen = cand.gather(1, launch_topk(exact, c))
     return torch.where(fired, chosen, state.resident)
