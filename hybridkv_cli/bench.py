@@ -16,7 +16,6 @@ Rendering (table, CSV, JSON, PNG) lives in :mod:`hybridkv_cli.bench_report`.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from contextlib import nullcontext, suppress
@@ -91,34 +90,24 @@ def method_options(methods: list[str], options: dict) -> dict[str, dict]:
 
 
 # --- tasks ----------------------------------------------------------------------------------------
-def _strings(value, key: str, where: str) -> tuple[str, ...]:
-    """A string or a non-empty list of non-empty strings."""
-    values = [value] if isinstance(value, str) else value
-    if not isinstance(values, list) or not values or not all(isinstance(v, str) and v.strip() for v in values):
-        raise UsageError(f"'{key}' must be a non-empty string or a list of them", where)
-    return tuple(values)
-
-
 def read_tasks(path: str | Path) -> list[Task]:
     """Read a JSONL task file: one object per line (blank lines skipped) with ``question``,
     optional ``id`` (default ``FILE:LINE``), ``answer`` (string or list), ``context`` (text),
     ``media`` (path or list of paths, relative to the file's directory); exactly one of
     ``context`` and ``media``; other keys are ignored. A bad row is a :class:`UsageError`
     naming ``FILE:LINE``."""
-    from hybridkv_cli.questions import clean_question
+    from hybridkv_cli.questions import clean_question, strings
+    from hybridkv_cli.user_files import loads, read_text
 
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM (Notepad) is not JSON
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read the task file: {getattr(e, 'strerror', None) or e}", str(path)) from None
+    lines = read_text(path, "--tasks").splitlines()  # a regular file of UTF-8, at most 64 MiB; a BOM dropped
     tasks: list[Task] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
-            row = json.loads(line)
+            row = loads(line)
         except ValueError as e:
             raise UsageError(f"not valid JSON ({e})", where) from None
         if not isinstance(row, dict):
@@ -135,8 +124,8 @@ def read_tasks(path: str | Path) -> list[Task]:
         if (context is None) == (row.get("media") is None):
             raise UsageError("a task needs 'context' (a text prompt) or 'media'" if context is None else
                              "a task has 'context' (a text prompt) or 'media', not both", where)
-        media = () if row.get("media") is None else _strings(row["media"], "media", where)
-        answers = () if row.get("answer") is None else _strings(row["answer"], "answer", where)
+        media = () if row.get("media") is None else strings(row["media"], "media", where)
+        answers = () if row.get("answer") is None else strings(row["answer"], "answer", where)
         task_id = row.get("id", f"{path.name}:{number}")
         if not isinstance(task_id, str) or task_id in {t.id for t in tasks}:
             raise UsageError(f"'id' must be a unique string, got {task_id!r}", where)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-# The method options a command passes on (None: not given, each method's default).
+# The method options a command passes on (None: not given, each method's default). Their values are
+# checked once, where every method is built (hybridkv_cli/option_values.py), not by the parser.
 METHOD_OPTIONS = ("budget", "window", "theta", "sparsity_topk", "share", "chunk_size", "sink_aware", "landmark",
                   "refresh", "refresh_rate", "refresh_period", "refresh_slots", "sinks", "page_size", "head_scores",
                   "route")
@@ -19,14 +20,14 @@ CONTEXT = typer.Option(None, "--context", metavar="FILE", help="Ask about the te
                        "(a text prompt: its tokens take the visual tokens' role); - reads stdin.")
 BUDGET = typer.Option(None, help="Device-resident prompt KV as a share of the full cache, in (0, 1] [default: 0.1; "
                       "full: always 1].")
-WINDOW = typer.Option(None, min=1, help="Methods that score with the last prompt queries (hybridkv, rcr, snapkv, "
+WINDOW = typer.Option(None, help="Methods that score with the last prompt queries (hybridkv, rcr, snapkv, "
                       "madakv, sparsemm): observation window, always kept [default: 32; hybridkv: 16].")
 THETA = typer.Option(None, help="HybridKV θ: heads whose sparsity score is >= θ are static [default: 0.9].")
 TOPK = typer.Option(None, help="HybridKV p: the sparsity score is the attention mass on the top p·N tokens "
                     "[default: 0.05].")
 SHARE = typer.Option(None, help="HybridKV r: a dynamic head's budget as a share of the average head budget "
                      "[default: 0.75].")
-CHUNK = typer.Option(None, min=1, help="HybridKV: tokens per retrieval chunk [default: 1 with --landmark keys; "
+CHUNK = typer.Option(None, help="HybridKV: tokens per retrieval chunk [default: 1 with --landmark keys; "
                      "else 16, or 8 where a dynamic head holds fewer than two chunks of 16].")
 SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: score heads without the first 4 "
                           "tokens (attention sinks) [default: the method's].")
@@ -34,13 +35,13 @@ LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: key
                         "minmax | mean | detector [default: keys].")
 REFRESH = typer.Option(None, help="hybridkv (static heads) / rcr: refresh while decoding: rcr | periodic | none "
                        "[default: the method's].")
-REFRESH_RATE = typer.Option(None, min=0.0, max=1.0, help="rcr refresh: target share of layer-steps that "
+REFRESH_RATE = typer.Option(None, help="rcr refresh: target share of layer-steps that "
                             "re-select [default: 0.4].")
-REFRESH_PERIOD = typer.Option(None, min=1, help="periodic refresh: every T-th decode step [default: 3].")
-REFRESH_SLOTS = typer.Option(None, min=1, help="refresh: most entries per head that a refresh re-selects (c); the "
+REFRESH_PERIOD = typer.Option(None, help="periodic refresh: every T-th decode step [default: 3].")
+REFRESH_SLOTS = typer.Option(None, help="refresh: most entries per head that a refresh re-selects (c); the "
                              "rest keep the prefill's best [default: 256].")
-SINKS = typer.Option(None, min=0, help="streamingllm: attention-sink tokens kept at the start [default: 4].")
-PAGE_SIZE = typer.Option(None, min=1, help="quest: tokens per page [default: 8].")
+SINKS = typer.Option(None, help="streamingllm: attention-sink tokens kept at the start [default: 4].")
+PAGE_SIZE = typer.Option(None, help="quest: tokens per page [default: 8].")
 ROUTE = typer.Option(None, metavar="FILE", help="route: the method of each layer, a JSON route file (`hybridkv "
                      "route` builds one) or a pattern like hybridkv,snapkv repeated over the layers.")
 HEAD_SCORES = typer.Option(None, metavar="FILE", help='sparsemm: JSON {"scores": [[per KV head] per layer]} '
@@ -120,12 +121,14 @@ COMPRESS_HELP = (
 )
 
 # Runs over many processes, GPUs and machines (see hybridkv_cli/distributed.py, docs/scale-out.md).
-WORKERS = typer.Option(None, "--workers", min=1, metavar="N", help="Answer the inputs with N Ray workers, one model "
-                       'load each, on a local Ray runtime (or the --ray cluster); needs pip install -e ".[ray]".')
+WORKERS = typer.Option(None, "--workers", min=1, max=1024, metavar="N", help="Answer the inputs with N Ray workers "
+                       '(at most 1024), one model load each, on a local Ray runtime (or the --ray cluster); needs pip '
+                       'install -e ".[ray]".')
 RAY = typer.Option(None, "--ray", metavar="ADDRESS", help="Join the Ray cluster at ADDRESS (host:port, or auto) and "
-                   "answer there [--workers default: one per --gpus-per-worker GPUs of the cluster].")
-GPUS_PER_WORKER = typer.Option(0.0, "--gpus-per-worker", min=0.0, help="GPUs each Ray worker holds (a fraction "
-                               "packs several workers on one GPU) [default: 0, the CPU].")
+                   "answer there [--workers default: one per --gpus-per-worker GPUs of the cluster]; a cluster that "
+                   "does not answer within 30 s is an error.")
+GPUS_PER_WORKER = typer.Option(0.0, "--gpus-per-worker", min=0.0, max=1024.0, help="GPUs each Ray worker holds (a "
+                               "fraction packs several workers on one GPU) [default: 0, the CPU].")
 
 # Many inputs decoded together on one device (hybridkv_cli/batching.py, docs/batching.md).
 BATCH_SIZE = typer.Option(None, "--batch-size", min=1, metavar="N", help="Decode up to N inputs together "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TextIO
 
 from hybridkv_cli.errors import HybridKVError, MediaError, UsageError
@@ -35,19 +34,16 @@ class Item:
 
 def read_context(path: str, stdin: TextIO | None = None) -> str:
     """The text of a ``--context`` file (``-``: all of ``stdin``), as UTF-8; a byte-order mark
-    (Notepad writes one) is dropped, and any line ending reads as ``\n``."""
+    (Notepad writes one) is dropped, and any line ending reads as ``\n``. The file is read as
+    every user text file is (:mod:`hybridkv_cli.user_files`: a regular file, at most 16 MiB); a
+    bad one is a :class:`MediaError` (exit 1: the input, not the command line, is at fault)."""
+    from hybridkv_cli.user_files import read_stream, read_text
+
     if path == "-":
-        return (stdin or sys.stdin).read().removeprefix("\ufeff")
-    try:
-        return Path(path).read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise MediaError("no such file", path) from None
-    except IsADirectoryError:
-        raise MediaError("is a directory, not a text file", path) from None
-    except UnicodeDecodeError as e:
-        raise MediaError(f"not UTF-8 text (byte {e.start})", path) from None
-    except OSError as e:
-        raise MediaError(f"cannot read ({e.strerror or e})", path) from None
+        text = read_stream(stdin, "--context", error=MediaError)
+    else:
+        text = read_text(path, "--context", error=MediaError)
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_paths(stream: TextIO) -> list[str]:

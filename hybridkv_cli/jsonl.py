@@ -56,7 +56,10 @@ class JsonlFile:
         return keys
 
     def open(self) -> None:
+        from hybridkv_cli.user_files import check_output
+
         shown = str(self.path)
+        check_output(self.path, "--output")  # a FIFO would block the open, a device swallow the records
         try:
             self._repair_tail()
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

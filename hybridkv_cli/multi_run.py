@@ -97,7 +97,9 @@ def cache_targets(items, output: Path, each: bool) -> list[Path]:
     in ``/``: ``NAME.hkv`` inside it), else ``OUTDIR/NAME.hkv`` with NAME the input's file name
     (a second input of the same name gets ``-2``, ...)."""
     from hybridkv_cli import hkv
+    from hybridkv_cli.user_files import check_output
 
+    check_output(output, "--output", folder=True)  # -o /dev/full: refused, not /dev/full.hkv
     folder = each or len(items) > 1 or output.is_dir() or str(output).endswith(os.sep)
     if not folder:
         return [output if hkv.is_cache_path(str(output)) else output.with_name(output.name + hkv.SUFFIX)]

@@ -31,22 +31,27 @@ def clean_question(question: str) -> str:
     return q
 
 
+def strings(value, key: str, where: str) -> tuple[str, ...]:
+    """A string or a non-empty list of non-empty strings (a task's or a question's ``answer``, a
+    task's ``media``); a UsageError naming ``where`` otherwise."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not values or not all(isinstance(v, str) and v.strip() for v in values):
+        raise UsageError(f"'{key}' must be a non-empty string or a list of them", where)
+    return tuple(values)
+
+
 def read_questions(path: str) -> list[tuple[str, tuple[str, ...]]]:
     """The questions of a ``--questions`` file: ``(question, expected answers)`` in order.
 
     One question per line (blank lines ignored), or JSON lines ``{"question": ..., "answer": ...}``
-    (the answer optional, a string or a list of strings; a file whose first non-blank line starts
-    with ``{`` is read as JSON lines). Every question is cleaned (:func:`clean_question`); a bad
-    line is a :class:`UsageError` naming the file and line."""
-    import json
-    from pathlib import Path
+    (the answer optional, a string or a list of strings, as in a bench task file; a file whose
+    first non-blank line starts with ``{`` is read as JSON lines). The file is read as every user
+    text file is (:func:`hybridkv_cli.user_files.read_text`: a regular file of at most 64 MiB of
+    UTF-8). Every question is cleaned (:func:`clean_question`); a bad line is a
+    :class:`UsageError` naming the file and line."""
+    from hybridkv_cli.user_files import loads, read_text
 
-    try:
-        text = Path(path).read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise UsageError("no such file", path) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read ({getattr(e, 'strerror', None) or e})", path) from None
+    text = read_text(path, "--questions")
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise UsageError("no questions in the file", path)
@@ -54,19 +59,25 @@ def read_questions(path: str) -> list[tuple[str, tuple[str, ...]]]:
     out = []
     for n, line in lines:
         if not as_json:
-            out.append((clean_question(line), ()))
+            out.append((_cleaned(line, f"{path}:{n}"), ()))
             continue
         try:
-            row = json.loads(line)
-            question = row["question"]
-            answer = row.get("answer", ())
-            answers = (answer,) if isinstance(answer, str) else tuple(answer)
-            if not isinstance(question, str) or not all(isinstance(a, str) for a in answers):
-                raise TypeError
-        except (ValueError, KeyError, TypeError, AttributeError):
+            row = loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("question"), str):
+                raise ValueError
+        except ValueError:
             raise UsageError(f"line {n}: expected {{\"question\": TEXT, \"answer\"?: TEXT or [TEXT]}}", path) from None
-        out.append((clean_question(question), answers))
+        answer = row.get("answer")
+        answers = () if answer is None else strings(answer, "answer", f"{path}:{n}")
+        out.append((_cleaned(row["question"], f"{path}:{n}"), answers))
     return out
+
+
+def _cleaned(question: str, where: str) -> str:
+    try:
+        return clean_question(question)
+    except UsageError as e:
+        raise UsageError(e.reason, where) from None
 
 
 def split_args(args: list[str] | None, context: str | None,

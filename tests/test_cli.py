@@ -125,7 +125,7 @@ def clip(tmp_path_factory):
     (["{clip}", "q", "--method", "rcr", "--refresh", "often"],
      "error: --refresh: refresh must be one of none, rcr, periodic, got 'often'"),
     (["{clip}", "q", "--method", "sparsemm", "--head-scores", "/nope.json"],
-     "error: /nope.json: head-score file not found"),
+     "error: /nope.json: no such file or directory"),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, reason, clip, capsys):
     code = cli.run(["ask", *[a.format(clip=clip) for a in argv], "--model", "demo"])

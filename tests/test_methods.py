@@ -388,7 +388,7 @@ def test_sparsemm_reads_score_file_and_reports_on_the_fly(tmp_path):
 @pytest.mark.parametrize(
     "content, message",
     [
-        (None, "not found"),
+        (None, "no such file"),
         ("{not json", "not JSON"),
         (json.dumps([[1, 2]]), "expected"),
         (json.dumps({"scores": []}), "expected"),

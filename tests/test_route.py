@@ -44,11 +44,11 @@ def test_a_pattern_repeats_over_the_layers():
 
 
 @pytest.mark.parametrize("content,message", [
-    (None, "route file not found"),
-    ("{nope", "not a route file"),
+    (None, "no such file"),
+    ("{nope", "not JSON"),
     (json.dumps({"layers": []}), "expected"),
     (json.dumps({"layers": ["snapkv", "nope", "full"]}), "unknown method 'nope'"),
-    (json.dumps({"layers": ["snapkv"] * 3, "options": {"snapkv": {"theta": 1}}}), "route options: does not apply"),
+    (json.dumps({"layers": ["snapkv"] * 3, "options": {"snapkv": {"theta": 1}}}), "'theta' is not an option of snapkv"),
 ])
 def test_bad_route_files_are_usage_errors(tmp_path, content, message):
     path = tmp_path / "route.json"

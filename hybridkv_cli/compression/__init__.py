@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hybridkv_cli.compression.base import Compressed, LayerKV, Policy, PrefillLayer
 from hybridkv_cli.errors import UsageError
+from hybridkv_cli.option_values import check_options
 
 METHODS: dict[str, type[Policy]] = {}
 
@@ -29,6 +30,7 @@ def make_policy(name: str, **options) -> Policy:
     refused = sorted(given.keys() - set(cls.options()))
     if refused:
         raise UsageError(f"does not apply to method '{name}'", "--" + refused[0].replace("_", "-"))
+    check_options(given)  # the one check of each value, from the command line, a route file or the library
     return cls(**given)
 
 

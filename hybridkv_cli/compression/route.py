@@ -16,9 +16,8 @@ a file from an offline profile (:mod:`hybridkv_cli.routing`).
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from hybridkv_cli.compression import METHODS, make_policy, register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
@@ -28,25 +27,50 @@ from hybridkv_cli.errors import UsageError
 def read_route(path: str | list[str]) -> tuple[list[str], dict[str, dict], bool]:
     """(methods, options per method, whether the methods are a pattern to repeat) of a route file
     or a pattern; a UsageError naming the file. A list is the route builder's single-layer profile
-    (the other layers ``full``), taken as given."""
+    (the other layers ``full``), taken as given. The file is read as every user text file is
+    (:mod:`hybridkv_cli.user_files`: a regular file, at most 1 MiB) and its options get the checks
+    the command line's flags get (:mod:`hybridkv_cli.option_values`)."""
+    from hybridkv_cli.user_files import read_json
+
     if isinstance(path, list):
         return path, {}, False
     names = path.split(",")
-    if not Path(path).exists() and ("," in path or path in METHODS):  # a pattern, not a file
+    if not os.path.lexists(path) and ("," in path or path in METHODS):  # a pattern, not a file
         _check(names, path)
         return names, {}, True
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
-    except FileNotFoundError:
-        raise UsageError("route file not found", path) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"not a route file ({type(e).__name__})", path) from None
+    data = read_json(path, "--route", ROUTE_FORMAT)
     layers = data.get("layers") if isinstance(data, dict) else None
     options = data.get("options", {}) if isinstance(data, dict) else None
     if not isinstance(layers, list) or not layers or not isinstance(options, dict):
-        raise UsageError('expected {"layers": [method per layer], "options": {method: {...}}}', path)
+        raise UsageError(f"expected {ROUTE_FORMAT}", path)
     _check(layers, path)
+    _check_options(options, path)
     return layers, options, False
+
+
+ROUTE_FORMAT = '{"layers": [method per layer], "options": {method: {option: value}}}'
+
+
+def _check_options(options: dict, path: str) -> None:
+    """A route file's options: per registered method, the options it takes (``budget`` excepted:
+    the route's one budget is ``--budget``), each value checked as its flag's is."""
+    from hybridkv_cli.option_values import check_option
+
+    for name, given in options.items():
+        if name not in METHODS or name == "route":
+            raise UsageError(f"options: unknown method {name!r} (available: {', '.join(sorted(set(METHODS) - {'route'}))})",
+                             path)
+        if not isinstance(given, dict):
+            raise UsageError(f"options.{name}: expected an object {{option: value}}", path)
+        for key, value in given.items():
+            if key == "budget":
+                raise UsageError(f"options.{name}.budget: a route has one budget for the whole model (--budget)", path)
+            if key not in METHODS[name].options():
+                raise UsageError(f"options.{name}: {key!r} is not an option of {name}", path)
+            try:
+                check_option(key, value)
+            except UsageError as e:
+                raise UsageError(f"options.{name}.{key}: {e.reason}", path) from None
 
 
 # Every layer of a route keeps b of its cache; these keep the whole prompt on the device.
@@ -65,6 +89,8 @@ def refusal(name) -> str | None:
 
 def _check(layers: list, path: str) -> None:
     for index, name in enumerate(layers):
+        if not isinstance(name, str):
+            raise UsageError(f"layer {index}: expected a method name, got {type(name).__name__}", path)
         if reason := refusal(name):
             raise UsageError(f"layer {index}: {reason}", path)
 

@@ -10,7 +10,6 @@ attention of the question and template tail). ``summary()`` says which was used,
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,32 +28,38 @@ FILE_FORMAT = '{"scores": [[one number per KV head] per layer]}'
 def load_head_scores(path: str | Path) -> list[list[float]]:
     """Read and validate a head-score file: ``{"scores": [[per KV head] per layer]}``.
 
-    Scores must be finite and non-negative, with the same number of heads in every layer.
+    Scores must be finite and non-negative, with the same number of heads in every layer, and
+    each layer's sum finite (they are normalised per layer). The file is read as every user text
+    file is (:mod:`hybridkv_cli.user_files`: a regular file, at most 16 MiB).
 
     Raises
     ------
     UsageError
-        Missing or unreadable file, not JSON, or not that shape.
+        Missing, unreadable or not a regular file, not JSON, or not that shape.
     """
+    from hybridkv_cli.user_files import read_json
+
     source = str(path)
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UsageError("head-score file not found", source) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read the head-score file ({e})", source) from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"not JSON ({e}); expected {FILE_FORMAT}", source) from None
+    data = read_json(path, "--head-scores", FILE_FORMAT)
     scores = data.get("scores") if isinstance(data, dict) else None
     if not isinstance(scores, list) or not scores or not all(isinstance(row, list) and row for row in scores):
         raise UsageError(f"expected {FILE_FORMAT}", source)
+    out = []
     for i, row in enumerate(scores):
-        numbers = all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in row)
-        if not numbers or not all(math.isfinite(s) and s >= 0 for s in row):
+        try:
+            if not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in row):
+                raise TypeError
+            values = [float(s) for s in row]  # OverflowError: an integer beyond a float
+        except (TypeError, ValueError, OverflowError):
+            values = [math.nan]
+        if not all(math.isfinite(s) and s >= 0 for s in values):
             raise UsageError(f"layer {i}: scores must be finite non-negative numbers", source)
         if len(row) != len(scores[0]):
             raise UsageError(f"layer {i} has {len(row)} scores, layer 0 has {len(scores[0])}", source)
-    return [[float(s) for s in row] for row in scores]
+        if not math.isfinite(sum(values)):  # normalised per layer: the sum must be a number
+            raise UsageError(f"layer {i}: the scores' sum overflows; scale them down", source)
+        out.append(values)
+    return out
 
 
 def visual_scores(attn: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:

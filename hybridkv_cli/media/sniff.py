@@ -7,32 +7,13 @@ import stat
 from pathlib import Path
 
 from hybridkv_cli.errors import MediaError
+from hybridkv_cli.user_files import stat_checked
 
 
 def lstat_checked(path: Path, shown: str) -> os.stat_result:
-    """stat() a path, turning every failure into a one-line MediaError."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise MediaError("no such file or directory", source=shown) from None
-    except PermissionError:
-        raise MediaError("permission denied", source=shown) from None
-    except OSError as e:
-        raise MediaError(f"cannot access: {e.strerror or e}", source=shown) from None
-    if stat.S_ISLNK(st.st_mode):
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            try:
-                target = os.readlink(path)
-            except OSError:
-                target = "?"
-            raise MediaError(f"dangling symbolic link (target '{target}' does not exist)", source=shown) from None
-        except PermissionError:
-            raise MediaError("permission denied", source=shown) from None
-        except OSError as e:  # e.g. a symlink loop
-            raise MediaError(f"cannot follow symbolic link: {e.strerror or e}", source=shown) from None
-    return st
+    """stat() a path (following links), turning every failure into a one-line MediaError (the
+    one path check of user files, :func:`hybridkv_cli.user_files.stat_checked`)."""
+    return stat_checked(path, MediaError, shown)
 
 
 def _open_binary(path: Path):  # indirection point for tests (root ignores permission bits)
