@@ -108,20 +108,25 @@ def plan_resume(items: list[Item], output, questions, *, console, quiet: bool) -
 
 
 def answer_item(session: Session, item: Item, question: str | None, questions=None, answered: set | None = None,
-                context: str | None = None) -> list[dict]:
+                context: str | None = None, on_record=None) -> list[dict]:
     """One input's records (one per question: a question that failed on its own gets an error
     record with its ``question``); raises what the session raises. ``answered``: the (input,
-    question) pairs ``--resume`` skips."""
+    question) pairs ``--resume`` skips. ``on_record(record)``: called with each question's
+    record as soon as it is answered (the caller writes it then)."""
     if questions is None:
         return [session.answer(item, question)]
     wanted = [(q, a) for q, a in questions if not answered or (item.key, q) not in answered]
-    results = session.answer_all(item, [q for q, _ in wanted], context=context,
-                                 failed=lambda q, e: {**error_record(item.key, e), "question": q})
-    for result, (_, answers) in zip(results, wanted):
+
+    def done(index: int, result: dict) -> None:
+        answers = wanted[index][1]
         if answers and "error" not in result:
             result["expected"] = list(answers)
             result["correct"] = is_correct(result["answer"], answers)
-    return results
+        if on_record is not None:
+            on_record(result)
+
+    return session.answer_all(item, [q for q, _ in wanted], context=context,
+                              failed=lambda q, e: {**error_record(item.key, e), "question": q}, each=done)
 
 
 def error_kind(exc: BaseException) -> str:
@@ -181,26 +186,36 @@ class Recorder:
 
         self.console.print(f"[red]error:[/red] {escape(where)}: {escape(message)}", highlight=False, soft_wrap=True)
 
-    def answered(self, key: str, results: list[dict]) -> bool:
+    def answered(self, key: str, results: list[dict], streamed: bool = False) -> bool:
         """Input ``key`` is answered: its records, one per question (it counts once its last line is
-        written, as failed when one of them is a question's error record); False in that case."""
+        written, as failed when one of them is a question's error record); False in that case.
+        ``streamed``: the lines were written already, one by one (:meth:`question`)."""
+        count = "failed" if any("error" in r for r in results) else "ok"
+        if streamed:
+            with signals.deferred_signals():
+                setattr(self.summary, count, getattr(self.summary, count) + 1)
+            return count == "ok"
+        for n, result in enumerate(results):
+            self.question(key, result, len(results) == 1, count if n == len(results) - 1 else None)
+        return count == "ok"
+
+    def question(self, key: str, result: dict, single: bool, count: str | None = None) -> None:
+        """One record of input ``key`` (``single``: its only question): its line, then its error
+        line or its human report."""
         from rich.markup import escape
 
-        count = "failed" if any("error" in r for r in results) else "ok"
-        for n, result in enumerate(results):
-            self.emit(result, count if n == len(results) - 1 else None)
-            if "error" in result:
-                self._error_line(f"{key} · {one_line(result['question'], 80)}", result["error"]["message"])
-            elif self.human is not None:
-                from hybridkv_cli.report import render
+        self.emit(result, count)
+        if "error" in result:
+            self._error_line(f"{key} · {one_line(result['question'], 80)}", result["error"]["message"])
+        elif self.human is not None:
+            from hybridkv_cli.report import render
 
-                if self.shown:
-                    self.human.print()
-                self.shown += 1
-                title = key if len(results) == 1 else f"{key} · {result['question']}"
-                self.human.print(f"[bold]── {escape(title)}[/bold]", highlight=False, soft_wrap=True)
-                render(result, self.human)
-        return count == "ok"
+            if self.shown:
+                self.human.print()
+            self.shown += 1
+            title = key if single else f"{key} · {result['question']}"
+            self.human.print(f"[bold]── {escape(title)}[/bold]", highlight=False, soft_wrap=True)
+            render(result, self.human)
 
     def last_line(self, total: int, output, seconds: float, quiet: bool) -> None:
         """The line a run ends with: the stop line, or ``done: ...`` (unless ``quiet``)."""
@@ -253,10 +268,13 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
         started[item.key] = time.perf_counter()
         return item
 
-    def one_by_one():
+    single = questions is not None and len(questions) == 1
+
+    def one_by_one():  # with questions, each record is written as soon as it is answered
         for item in items:
+            write = None if questions is None else (lambda r, key=item.key: recorder.question(key, r, single))
             try:
-                yield item, answer_item(session, begin(item), question, questions, answered, context)
+                yield item, answer_item(session, begin(item), question, questions, answered, context, write)
             except (UsageError, ModelError):  # the same for every input: stop the run
                 raise
             except Exception as e:
@@ -277,7 +295,8 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
                     recorder.failed(item.key, error_record(item.key, results), error_kind(results))
                     progress.finish(item.key, False, seconds)
                     continue
-                progress.finish(item.key, recorder.answered(item.key, results), seconds)
+                streamed = questions is not None  # one_by_one wrote them (questions are never batched)
+                progress.finish(item.key, recorder.answered(item.key, results, streamed), seconds)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.signals)
         summary.stopped_by = signals.signal_of(e)
     finally:

@@ -26,7 +26,7 @@ from hybridkv_cli.cli_options import (  # noqa: F401 - options and help texts of
 from hybridkv_cli.console import err, one_line_warnings, print_error, print_warning, quiet_libraries, status
 from hybridkv_cli.errors import HybridKVError, UsageError, one_line
 from hybridkv_cli.questions import split_args
-from hybridkv_cli.signals import describe, exit_code, signal_of, stop_on_signals
+from hybridkv_cli.signals import describe, exit_code, leave, signal_of, stop_on_signals
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Answer questions about videos and image sets with Qwen2.5-VL under a KV-cache budget.")
@@ -381,8 +381,8 @@ def _stopped(e: BaseException) -> int:
 
 
 def main() -> None:
-    """Console entry point."""
-    sys.exit(run())
+    """Console entry point (a stopped run leaves at once: :func:`hybridkv_cli.signals.leave`)."""
+    leave(run())
 
 
 if __name__ == "__main__":

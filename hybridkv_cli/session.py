@@ -245,6 +245,7 @@ class Session:
         loaded, o = self.model(), self.options
         suffix = prefix.template.suffix(loaded.tokenizer, question)
         limit = loaded.context_limit
+        check_new_tokens(o.max_new_tokens, limit)
         if limit and prefix.seen + len(suffix) + o.max_new_tokens > limit:
             raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {o.max_new_tokens} new, "
                                      f"more than the model's context of {limit} tokens", source)
@@ -254,10 +255,13 @@ class Session:
         return prefix_record(record, prefix, prompt, index=index, of=of, cache_file=cache_file)
 
     def answer_all(self, item: Item, questions: list[str], context: str | None = None,
-                   failed: Callable[[str, HybridKVError], dict] | None = None) -> list[dict]:
+                   failed: Callable[[str, HybridKVError], dict] | None = None,
+                   each: Callable[[int, dict], None] | None = None) -> list[dict]:
         """One record per question about ``item``, compressed once (a ``.hkv`` item: loaded).
         ``failed(question, error)``: the record of a question that fails on its own (too long for
-        the context, out of memory), so the other questions keep their answers (None: raise)."""
+        the context, out of memory), so the other questions keep their answers (None: raise).
+        ``each(index, record)`` is called with every record as soon as it exists (the run writes
+        it then: a stop loses at most the question in flight)."""
         from hybridkv_cli import hkv
 
         prefix = self.compress(item, context=context)
@@ -275,6 +279,8 @@ class Session:
                 if failed is None:
                     raise
                 records.append(failed(q, e))
+            if each is not None:
+                each(i, records[-1])
         return records
 
     @staticmethod
@@ -295,11 +301,19 @@ class Session:
                                "--max-pixels", source)
 
 
+def check_new_tokens(max_new_tokens: int, limit: int | None) -> None:
+    """``--max-new-tokens`` alone must leave room in the model's context (a usage error naming it)."""
+    if limit and max_new_tokens >= limit:
+        raise UsageError(f"{max_new_tokens} new tokens do not fit the model's context of {limit} tokens",
+                         "--max-new-tokens")
+
+
 def _check_length(prompt: Prompt, limit: int | None, max_new_tokens: int, source: str) -> None:
     """Raise when the built prompt + ``max_new_tokens`` exceed the model's context ``limit``: a
     :class:`UsageError` when the question alone does, else :class:`ContextLengthError`."""
     if not limit:
         return
+    check_new_tokens(max_new_tokens, limit)
     bulk, text = prompt.visual_tokens, prompt.text_tokens
     if text + max_new_tokens > limit:
         raise UsageError(f"the question is too long: {text} text tokens + {max_new_tokens} new tokens exceed the "
