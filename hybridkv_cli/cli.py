@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from hybridkv_cli.cli_options import (  # noqa: F401 - options and help texts of the commands
-    ARGS, MODEL, CONTEXT, BUDGET, WINDOW, THETA, TOPK, SHARE, CHUNK, SINK_AWARE, LANDMARK, REFRESH,
+    ARGS, ASK_ARGS, MODEL, CONTEXT, BUDGET, WINDOW, THETA, TOPK, SHARE, CHUNK, SINK_AWARE, LANDMARK, REFRESH,
     REFRESH_RATE, REFRESH_PERIOD, REFRESH_SLOTS, SINKS, PAGE_SIZE, ROUTE, HEAD_SCORES, FRAMES, FPS, DEFER,
     MAX_PIXELS, DEVICE, DTYPE, JSON, DEBUG, QUIET, EACH, JSONL, OUTPUT, ASK_MODEL, QUESTION, QUESTIONS,
     RESUME, ASK_HELP, BENCH_HELP, COMPRESS_HELP, METHOD_OPTIONS, WORKERS, RAY, GPUS_PER_WORKER, BATCH_SIZE, KV_MEMORY,
@@ -40,7 +40,7 @@ def _method_options(values: dict) -> dict:
 
 @app.command(help=ASK_HELP)
 def ask(
-    args: list[str] = ARGS, model: Optional[str] = ASK_MODEL,
+    args: Optional[list[str]] = ASK_ARGS, model: Optional[str] = ASK_MODEL,
     method: Optional[str] = typer.Option(None, help="Compression method (see `hybridkv methods`) [default: "
                                          "hybridkv; a .hkv input: the file's]."),
     question_opt: Optional[list[str]] = QUESTION, questions_file: Optional[str] = QUESTIONS,
@@ -76,9 +76,9 @@ def ask(
         paths, question = list(args or []) if context is None else [], None
         if context is not None and args:
             raise UsageError("with --context and --question/--questions give no arguments", "arguments")
-    if context is not None and (each or output is not None or workers or ray):
-        raise UsageError("--context is one text input; --each, --output and --workers take media inputs",
-                         "--context")
+    if context is not None and (each or (output is not None and asked is None) or workers or ray):
+        raise UsageError("--context is one text input; --each, --output (without -Q/--questions) and --workers "
+                         "take media inputs", "--context")
     model, dtype, caches = resolve_cache_inputs(paths, model, dtype)
     multi = asked is not None or caches  # one compression (or a .hkv file), one record per question
     limits = BatchLimits.of(batch_size, kv_memory, "-Q/--questions or .hkv inputs" if multi else

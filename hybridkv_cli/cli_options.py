@@ -13,6 +13,9 @@ METHOD_OPTIONS = ("budget", "window", "theta", "sparsity_topk", "share", "chunk_
 # Options shared by `ask` and `profile`, declared once.
 ARGS = typer.Argument(..., metavar="MEDIA... QUESTION", help="A video, image files or a directory, then the question "
                       "(with --context: the question only).")
+ASK_ARGS = typer.Argument(None, metavar="MEDIA... QUESTION", help="A video, image files or a directory, then the "
+                          "question (with --context: the question only; with -Q/--questions: the media only, none "
+                          "with --context).", show_default=False)
 MODEL_HELP = ("Hub id or local directory (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision), 'demo' (offline tiny "
               "video-QA model), 'demo-random[:qwen2vl|qwen3vl|llava-ov]', 'smollm2' or a .gguf file (text models)")
 MODEL = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help=MODEL_HELP + ".")

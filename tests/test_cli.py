@@ -108,7 +108,7 @@ def clip(tmp_path_factory):
     (["{clip}", ""], "error: QUESTION: the question is empty"),
     (["{clip}", " \t\n "], "error: QUESTION: the question is empty"),
     (["{clip}", "\x1b[0m\x07"], "error: QUESTION: the question is empty (after removing control characters)"),
-    ([], "error: Missing argument 'MEDIA... QUESTION'."),
+    ([], "error: arguments: give one or more media files"),
     (["{clip}"], "error: arguments: give one or more media files"),
     (["{clip}", "q", "--max-new-tokens", "0"], "error: Invalid value for '--max-new-tokens'"),
     (["{clip}", "q", "--nope"], "error: No such option: --nope"),
