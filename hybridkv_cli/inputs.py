@@ -35,14 +35,15 @@ class Item:
 def read_context(path: str, stdin: TextIO | None = None) -> str:
     """The text of a ``--context`` file (``-``: all of ``stdin``), as UTF-8; a byte-order mark
     (Notepad writes one) is dropped, and any line ending reads as ``\n``. The file is read as
-    every user text file is (:mod:`hybridkv_cli.user_files`: a regular file, at most 16 MiB); a
+    every user text file is (:mod:`hybridkv_cli.user_files`: a regular file, at most 16 MiB; it
+    may be empty: the prompt is then the question alone); a
     bad one is a :class:`MediaError` (exit 1: the input, not the command line, is at fault)."""
     from hybridkv_cli.user_files import read_stream, read_text
 
     if path == "-":
-        text = read_stream(stdin, "--context", error=MediaError)
+        text = read_stream(stdin, "--context", error=MediaError, empty_ok=True)
     else:
-        text = read_text(path, "--context", error=MediaError)
+        text = read_text(path, "--context", error=MediaError, empty_ok=True)
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 

@@ -113,10 +113,12 @@ def read_bytes(path: str | os.PathLike, flag: str, limit: int | None = None,
     return b"".join(chunks)
 
 
-def decode(data: bytes, shown: str, flag: str, error: type[HybridKVError] = UsageError) -> str:
-    """``data`` as UTF-8 text, a byte-order mark dropped; empty, binary (NUL bytes) or non-UTF-8
-    data is a one-line ``error``."""
-    if not data.strip():
+def decode(data: bytes, shown: str, flag: str, error: type[HybridKVError] = UsageError,
+           empty_ok: bool = False) -> str:
+    """``data`` as UTF-8 text, a byte-order mark dropped; binary (NUL bytes) or non-UTF-8 data is a
+    one-line ``error``, and so is empty data unless ``empty_ok`` (a ``--context`` may be empty:
+    the prompt is then the question alone)."""
+    if not empty_ok and not data.strip():
         raise error("empty file" if not data else "the file holds only white space", shown)
     try:
         text = data.decode("utf-8-sig")
@@ -128,14 +130,14 @@ def decode(data: bytes, shown: str, flag: str, error: type[HybridKVError] = Usag
 
 
 def read_text(path: str | os.PathLike, flag: str, limit: int | None = None,
-              error: type[HybridKVError] = UsageError) -> str:
+              error: type[HybridKVError] = UsageError, empty_ok: bool = False) -> str:
     """The UTF-8 text of ``path`` given to ``flag``: a regular file (checked before opening),
-    at most ``limit`` bytes (default: the flag's :data:`LIMITS`), not empty, not binary."""
-    return decode(read_bytes(path, flag, limit, error), os.fspath(path), flag, error)
+    at most ``limit`` bytes (default: the flag's :data:`LIMITS`), not binary, not empty unless ``empty_ok``."""
+    return decode(read_bytes(path, flag, limit, error), os.fspath(path), flag, error, empty_ok)
 
 
 def read_stream(stream: TextIO | None, flag: str, limit: int | None = None,
-                error: type[HybridKVError] = UsageError) -> str:
+                error: type[HybridKVError] = UsageError, empty_ok: bool = False) -> str:
     """All of ``stream`` (``-``: standard input) as text, at most ``limit`` bytes, like :func:`read_text`."""
     limit = LIMITS.get(flag, 16 * MiB) if limit is None else limit
     stream = stream or sys.stdin
@@ -147,7 +149,7 @@ def read_stream(stream: TextIO | None, flag: str, limit: int | None = None,
         data = text.encode("utf-8", "surrogatepass")
     if len(data) > limit:
         raise error(f"larger than the {human(limit)} a {flag} file may hold", "stdin")
-    return decode(data, "stdin", flag, error)
+    return decode(data, "stdin", flag, error, empty_ok)
 
 
 def loads(text: str):
