@@ -71,8 +71,9 @@ class BiasedKV(LayerKV):
             self.bias[h] = torch.cat([self.bias[h], self.bias[h].new_zeros(1)])
 
     def attend(self, query, scale):
-        return torch.stack([torch.softmax(q @ k.T * scale + b, -1) @ v
-                            for q, k, v, b in zip(query, self.keys, self.values, self.bias)])
+        # in fp32 whatever the model's dtype (a bf16 run's logits plus the fp32 bias)
+        return torch.stack([torch.softmax(q.float() @ k.float().T * scale + b, -1) @ v.float()
+                            for q, k, v, b in zip(query, self.keys, self.values, self.bias)]).to(query.dtype)
 
     def device_bytes(self):
         return 0

