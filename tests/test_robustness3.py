@@ -312,7 +312,7 @@ def test_sizes(text, message):
 
 @pytest.mark.parametrize("address", ["foo", "host:", ":6379", "host:0", "host:65536", "host:port", "a b:1", ""])
 def test_malformed_ray_addresses_are_usage_errors(address):
-    from hybridkv_cli.distributed import gcs_address
+    from hybridkv_cli.ray_cluster import gcs_address
 
     with pytest.raises(UsageError) as e:
         gcs_address(address)
