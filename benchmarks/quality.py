@@ -70,10 +70,10 @@ def task_rows(path) -> list[tuple]:
     return list(zip(read_tasks(path), rows))
 
 
-def run_row(loaded, task, method, options, budget, max_new_tokens) -> dict:
+def run_row(loaded, task, method, options, budget, max_new_tokens, defer_question=False) -> dict:
     start = time.perf_counter()
     r = ask(loaded, None, task.question, context=task.context, method=method, budget=budget,
-            max_new_tokens=max_new_tokens, **options)
+            max_new_tokens=max_new_tokens, defer_question=defer_question, **options)
     prompt_tokens = r["input"]["context_tokens"] + r["input"]["text_tokens"]
     full_prompt = r["kv"]["full_bytes"] * prompt_tokens / (prompt_tokens + r["decode"]["tokens"] - 1)
     heads = r["heads"] or {}
@@ -124,6 +124,8 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", type=Path, help="tabulate the items of earlier --out files instead")
     parser.add_argument("--dtype", default="auto", help="the model's dtype (auto: float32 on the CPU)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="rows without their own max_new_tokens")
+    parser.add_argument("--defer-question", action="store_true",
+                        help="compress the context before the question is read (as -Q and .hkv caches do)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.merge:
@@ -140,18 +142,19 @@ def main() -> None:
     pairs = pairs[int(start or 0):int(end) if end else None]
     budgets = [float(b) for b in args.budgets.split(",")]
     names = args.variants.split(",")
-    config = {"tasks": args.tasks, "model": args.model, "dtype": str(loaded.dtype), "budgets": budgets, "variants": {n: variant(n) for n in names}}
+    config = {"tasks": args.tasks, "model": args.model, "dtype": str(loaded.dtype), "budgets": budgets,
+              "variants": {n: variant(n) for n in names}, "defer_question": args.defer_question}
     items: dict[str, list[dict]] = {}
     full_out: dict[str, str] = {}
     for task, row in pairs:
         new = int(row.get("max_new_tokens", args.max_new_tokens))
-        full = run_row(loaded, task, "full", {}, 1.0, new)
+        full = run_row(loaded, task, "full", {}, 1.0, new, args.defer_question)
         full_out[task.id] = full["answer"]
         items.setdefault("full", []).append({"id": task.id, "kind": row.get("kind"), "fidelity": 1.0, **full})
         for name in names:
             method, options = variant(name)
             for budget in budgets:
-                r = run_row(loaded, task, method, options, budget, new)
+                r = run_row(loaded, task, method, options, budget, new, args.defer_question)
                 r["fidelity"] = rouge_l(r["answer"], full["answer"])
                 items.setdefault(f"{name}@{budget}", []).append({"id": task.id, "kind": row.get("kind"), **r})
                 print(f"{task.id:28s} {name:18s} b={budget} {r['correct']!s:5s} fid={r['fidelity']:.2f} "
