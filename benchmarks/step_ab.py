@@ -7,6 +7,9 @@ alternately from each checkout on an otherwise idle machine:
 
     python benchmarks/step_ab.py                 # 16384 tokens
     python benchmarks/step_ab.py 32768 --profile # and the aten ops of 5 steps
+
+It builds its layer itself rather than through ``step_ops.random_layer`` so that it can be copied
+into an older checkout and run there unchanged.
 """
 
 from __future__ import annotations
