@@ -40,7 +40,8 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from hybridkv_cli.compression import cache as cache_module
 from hybridkv_cli.compression import make_policy
-from hybridkv_cli.generation import StepClock, generate
+from hybridkv_cli.engine import Meter, generate
+from hybridkv_cli.library import StepClock
 from hybridkv_cli.prompt import Prompt
 
 
@@ -190,20 +191,18 @@ def stock_run(model, prompt: Prompt, new_tokens: int, warmup: bool = True) -> di
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         warmup_s = time.perf_counter() - started
-    clock = StepClock(model.device)
-    if model.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    start = time.perf_counter()
+    meter = Meter(model.device)
     with torch.inference_mode():
-        model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, streamer=clock)
-    steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+        model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
+                       streamer=StepClock(meter, on_first_token=lambda: None))
+    run = meter.finish([], None, 0, prompt.length)
+    steps = run.step_s
     return {
-        "method": "stock-sdpa", "budget": 1.0, "prefill_s": clock.stamps[0] - start,
+        "method": "stock-sdpa", "budget": 1.0, "prefill_s": run.prefill_s,
         "warmup_s": warmup_s,
-        "warmup_overhead_s": None if warmup_s is None else warmup_s - (clock.stamps[-1] - start),
+        "warmup_overhead_s": None if warmup_s is None else warmup_s - (run.prefill_s + sum(steps)),
         "step_ms_mean": 1e3 * statistics.fmean(steps), "step_ms_p50": 1e3 * statistics.median(steps),
-        "cuda_peak_bytes": torch.cuda.max_memory_allocated() - base if model.device.type == "cuda" else None,
+        "cuda_peak_bytes": run.cuda_peak_bytes,
     }
 
 

@@ -24,7 +24,7 @@ from hybridkv_cli.answers import is_correct
 from hybridkv_cli.compression import hybridkv as hybridkv_module
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.compression.retrieval import DynamicHeads
-from hybridkv_cli.generation import generate
+from hybridkv_cli.engine import generate
 from hybridkv_cli.models import load_model
 from hybridkv_cli.prompt import build_text_prompt
 

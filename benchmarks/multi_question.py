@@ -51,8 +51,7 @@ def geometry_run(args, methods: list[str], n_questions: int) -> dict:
     from decode import build_model, video_like_prompt
 
     from hybridkv_cli.compression import make_policy
-    from hybridkv_cli.generation import generate, question_length
-    from hybridkv_cli.multi import QuestionTemplate, answer, compress_prefix
+    from hybridkv_cli.engine import Job, decode, generate, prefill
     from hybridkv_cli.prompt import Prompt
 
     vocab = 2048
@@ -60,7 +59,7 @@ def geometry_run(args, methods: list[str], n_questions: int) -> dict:
     base = video_like_prompt(args.tokens, vocab)
     base.visual[16:] = True
     base.visual[args.tokens - args.question_tokens:] = False  # the question + template tail
-    cut = base.length - question_length(base)
+    cut = base.question_start
     g = torch.Generator().manual_seed(1)
     prompts = []
     for _ in range(n_questions):  # the same media prefix, a different 64-token question each
@@ -78,13 +77,14 @@ def geometry_run(args, methods: list[str], n_questions: int) -> dict:
                                        defer_question=True).tokens)
             ask_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        prefix = compress_prefix(model, prompts[0], make_policy(method), QuestionTemplate([], []))
+        prefix = prefill(model, prompts[0], make_policy(method), cut, shared=True)
         compress_s = time.perf_counter() - start
         q_s, q_tokens = [], []
         for p in prompts:
             start = time.perf_counter()
-            q_tokens.append(answer(model, prefix, p.inputs["input_ids"][0, cut:].tolist(),
-                                   max_new_tokens=args.max_new_tokens)[0].tokens)
+            job = Job(0, p.inputs["input_ids"][0, cut:].tolist(), prefix=prefix)
+            outcome, = decode(lambda: model, [(0, lambda: job)], max_new_tokens=args.max_new_tokens)
+            q_tokens.append(outcome.generation.tokens)
             q_s.append(time.perf_counter() - start)
         out[method] = {"prompt_tokens": base.length, "ask_again_s": statistics.fmean(ask_s),
                        "compress_once_s": compress_s, "question_from_cache_s": statistics.fmean(q_s),

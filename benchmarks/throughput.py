@@ -5,7 +5,7 @@ The random Qwen2.5-VL text stack of ``benchmarks/decode.py`` (7B attention geome
 length. Its prefill runs once; every method compresses that same prefill (the layers' queries,
 keys and values, recorded), and every sequence of a run starts from its own copy of the
 compressed state, so the many sequences cost one prefill but decode exactly as fresh ones do.
-The runs go through the library's batch decoder (``hybridkv_cli.batching``): admission by the
+The runs go through the engine's decode (``hybridkv_cli.engine``): admission by the
 measured device KV of each member under ``--cap`` bytes, continuous batching as members finish.
 
     python -m benchmarks.throughput --lengths 4096 16384 --out docs/throughput.json --plot docs/throughput.png
@@ -22,16 +22,13 @@ import argparse
 import json
 import platform
 import time
-from types import SimpleNamespace
 
 import torch
 
 from benchmarks.decode import build_model, video_like_prompt
-from hybridkv_cli.batching import BatchLimits, decode_batched
+from hybridkv_cli.engine import Job, Limits, Prefix, decode
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.compression.cache import PolicyCache, policy_attention
-from hybridkv_cli.generation import Generation
-from hybridkv_cli.multi import CompressedPrefix
 
 
 class RecordingCache(PolicyCache):
@@ -47,41 +44,34 @@ class RecordingCache(PolicyCache):
 
 
 def record_prefill(model, prompt):
-    """(first token, recorded layers) of one full-cache prefill of ``prompt``."""
+    """(next-token logits, recorded layers) of one full-cache prefill of ``prompt``."""
     layers = model.config.get_text_config().num_hidden_layers
     cache = RecordingCache(make_policy("full", budget=1.0), layers, prompt.visual)
     inputs = {k: v.to(model.device) for k, v in prompt.inputs.items()}
     with torch.inference_mode(), policy_attention(model):
         out = model(**inputs, cache=cache, use_cache=True)
-    return int(out.logits[0, -1].argmax()), cache.recorded
+    return out.logits[:, -1].float(), cache.recorded
 
 
-def compressed(model, prompt, policy, recorded) -> CompressedPrefix:
+def compressed(model, prompt, policy, recorded, logits) -> Prefix:
     """``policy`` applied to the recorded prefill, as a prefix every sequence copies."""
     layers = model.config.get_text_config().num_hidden_layers
     cache = PolicyCache(policy, layers, prompt.visual)
     with torch.inference_mode():
         for args in recorded:
             cache.compress_layer(*args)
-    return CompressedPrefix(policy=policy, state=([layer.kv for layer in cache.layers], cache.reports, cache.run),
-                            seen=prompt.length, visual=prompt.visual, prefix={}, rope_deltas=None, template=None)
+    return Prefix(policy=policy, cache=cache, seen=prompt.length, visual=prompt.visual,
+                  tokens={"input_ids": prompt.inputs["input_ids"]}, rope_deltas=None, logits=logits, shared=True)
 
 
-def run(model, prompt, prefix: CompressedPrefix, first: int, limits: BatchLimits, sequences: int,
-        new_tokens: int) -> dict:
+def run(model, prefix: Prefix, limits: Limits, sequences: int, new_tokens: int) -> dict:
     """Decode ``sequences`` copies of ``prefix`` under ``limits``."""
-    layers = model.config.get_text_config().num_hidden_layers
-
-    def start(_):
-        cache = prefix.cache(layers, model.device)
-        return Generation([first], 0.0, [], cache, cache.device_bytes()), None
-
-    jobs = [(i, lambda: SimpleNamespace(prompt=prompt)) for i in range(sequences)]
+    jobs = [(i, lambda i=i: Job(i, [], prefix=prefix)) for i in range(sequences)]
     started = time.perf_counter()
     steps: dict[int, float] = {}
     tokens = 0
     peak = size = per_sequence = 0
-    for outcome in decode_batched(lambda: model, jobs, start, max_new_tokens=new_tokens, limits=limits):
+    for outcome in decode(lambda: model, jobs, max_new_tokens=new_tokens, limits=limits):
         if outcome.error is not None:
             raise outcome.error
         b, g = outcome.batch, outcome.generation
@@ -115,7 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--cuda-graphs", action="store_true", help="replay the decode steps as CUDA graphs")
     args = ap.parse_args(argv)
-    limits = lambda **kw: BatchLimits(cuda_graphs=args.cuda_graphs, **kw)  # noqa: E731
+    limits = lambda **kw: Limits(cuda_graphs=args.cuda_graphs, **kw)  # noqa: E731
 
     model = build_model(args.layers, args.intermediate, device=args.device, dtype=getattr(torch, args.dtype))
     vocab = model.config.get_text_config().vocab_size
@@ -123,24 +113,24 @@ def main(argv=None) -> None:
     full_bytes = None
     for length in sorted(args.lengths, reverse=True):  # the longest first: it sets the caps
         prompt = video_like_prompt(length, vocab)
-        first, recorded = record_prefill(model, prompt)
+        logits, recorded = record_prefill(model, prompt)
         runs = [("full", 1.0)] + [(m, b) for m in args.methods for b in args.budgets]
         for method, budget in runs:
-            prefix = compressed(model, prompt, make_policy(method, budget=budget), recorded)
+            prefix = compressed(model, prompt, make_policy(method, budget=budget), recorded, logits)
             if full_bytes is None:  # full at the longest length, with its generated rows
-                full_bytes = run(model, prompt, prefix, first, limits(batch_size=1), 1,
+                full_bytes = run(model, prefix, limits(batch_size=1), 1,
                                  args.new_tokens)["kv_bytes_per_sequence"]
             for cap in args.caps:
                 row = {"prompt_tokens": length, "method": method, "budget": budget, "cap_sequences_of_full": cap,
                        "cap_bytes": int(cap * full_bytes),
-                       **run(model, prompt, prefix, first, limits(kv_memory=int(cap * full_bytes)),
+                       **run(model, prefix, limits(kv_memory=int(cap * full_bytes)),
                              args.sequences, args.new_tokens)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if method == "hybridkv" and budget == min(args.budgets):
                 for size in (1, 8):
                     row = {"prompt_tokens": length, "method": method, "budget": budget, "batch_size": size,
-                           **run(model, prompt, prefix, first, limits(batch_size=size), 4 * size,
+                           **run(model, prefix, limits(batch_size=size), 4 * size,
                                  args.new_tokens)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)

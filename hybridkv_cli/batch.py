@@ -108,11 +108,14 @@ def plan_resume(items: list[Item], output, questions, *, console, quiet: bool) -
 
 
 def answer_item(session: Session, item: Item, question: str | None, questions=None, answered: set | None = None,
-                context: str | None = None, on_record=None) -> list[dict]:
+                context: str | None = None, on_record=None, limits=None) -> list[dict]:
     """One input's records (one per question: a question that failed on its own gets an error
     record with its ``question``); raises what the session raises. ``answered``: the (input,
     question) pairs ``--resume`` skips. ``on_record(record)``: called with each question's
-    record as soon as it is answered (the caller writes it then)."""
+    record as soon as it is answered (the caller writes it then). ``limits``: how its questions
+    decode together."""
+    from hybridkv_cli.engine import Limits
+
     if questions is None:
         return [session.answer(item, question)]
     wanted = [(q, a) for q, a in questions if not answered or (item.key, q) not in answered]
@@ -126,7 +129,8 @@ def answer_item(session: Session, item: Item, question: str | None, questions=No
             on_record(result)
 
     return session.answer_all(item, [q for q, _ in wanted], context=context,
-                              failed=lambda q, e: {**error_record(item.key, e), "question": q}, each=done)
+                              failed=lambda q, e: {**error_record(item.key, e), "question": q}, each=done,
+                              limits=limits or Limits())
 
 
 def error_kind(exc: BaseException) -> str:
@@ -250,9 +254,9 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
     that cache, one record per question (:meth:`Session.answer_all`); ``resume`` skips the
     (input, question) pairs already answered and an input whose questions all are.
 
-    ``limits`` (a :class:`~hybridkv_cli.batching.BatchLimits` that batches): the inputs are
-    decoded together (:meth:`Session.answer_batched`) and their lines come in the order they
-    finish.
+    ``limits`` (an :class:`~hybridkv_cli.engine.Limits` that batches): the inputs are decoded
+    together (:meth:`Session.answer_batched`; with ``questions``: the questions of each input)
+    and their lines come in the order they finish.
     """
     recorder, items, answered = Recorder.start(items, output, resume, questions, console=console, jsonl=jsonl,
                                                human=human, quiet=quiet)
@@ -274,7 +278,7 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
         for item in items:
             write = None if questions is None else (lambda r, key=item.key: recorder.question(key, r, single))
             try:
-                yield item, answer_item(session, begin(item), question, questions, answered, context, write)
+                yield item, answer_item(session, begin(item), question, questions, answered, context, write, limits)
             except (UsageError, ModelError):  # the same for every input: stop the run
                 raise
             except Exception as e:
@@ -286,7 +290,8 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
 
     try:
         with progress:
-            for item, results in (together() if limits is not None and limits.batched else one_by_one()):
+            batched = limits is not None and limits.batched and questions is None
+            for item, results in (together() if batched else one_by_one()):
                 seconds = time.perf_counter() - started.pop(item.key)
                 if isinstance(results, BaseException):
                     if isinstance(results, (UsageError, ModelError)) or (
@@ -295,7 +300,7 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
                     recorder.failed(item.key, error_record(item.key, results), error_kind(results))
                     progress.finish(item.key, False, seconds)
                     continue
-                streamed = questions is not None  # one_by_one wrote them (questions are never batched)
+                streamed = questions is not None  # one_by_one wrote them as they came
                 progress.finish(item.key, recorder.answered(item.key, results, streamed), seconds)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.signals)
         summary.stopped_by = signals.signal_of(e)

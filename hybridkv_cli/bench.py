@@ -193,16 +193,18 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
 
     ``per_video``: the tasks about one media (or one text context) share one compression per
     (method, budget), and every question is answered from a copy of it
-    (:mod:`hybridkv_cli.multi`), as a deferred question; the answers are those of a run with
-    ``defer_question`` and no grouping (tested), in less time.
+    (a shared prefix, :meth:`Session.ask_prefix`), as a deferred question; the answers are those
+    of a run with ``defer_question`` and no grouping (tested), in less time.
 
-    ``limits`` (a :class:`~hybridkv_cli.batching.BatchLimits` that batches): every run decodes
-    all the inputs together (:meth:`Session.decode_together`); the answers are the same.
+    ``limits`` (an :class:`~hybridkv_cli.engine.Limits` that batches): every run decodes all the
+    inputs together (:meth:`Session.decode_together`; with ``per_video``, the questions of each
+    media); the answers are the same.
     """
     from rich.markup import escape
 
     from hybridkv_cli.batch import error_record
     from hybridkv_cli.compression import make_policy
+    from hybridkv_cli.engine import Limits
     from hybridkv_cli.progress import Progress
     from hybridkv_cli.record import note
 
@@ -224,9 +226,10 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
                           soft_wrap=True)
         return error
 
-    batched = limits is not None and limits.batched
+    limits = limits or Limits()
+    batched = limits.batched
     if per_video:
-        items = _run_grouped(session, tasks, policies, progress, failed)
+        items = _run_grouped(session, tasks, policies, progress, failed, limits)
     elif batched:
         items = _run_batched(session, tasks, policies, progress, failed, limits)
     with (nullcontext() if per_video or batched else progress):
@@ -316,7 +319,7 @@ def _run_batched(session, tasks: list[Task], policies: dict, progress, failed, l
     return [results[task.id, method, budget] for task in tasks for method, budget in runs]
 
 
-def _run_grouped(session, tasks: list[Task], policies: dict, progress, failed) -> list[dict]:
+def _run_grouped(session, tasks: list[Task], policies: dict, progress, failed, limits) -> list[dict]:
     """``run_bench(per_video=True)``: one compression per media group and run (``policies``, by
     (method, budget)), then its questions."""
     from contextlib import suppress
@@ -340,7 +343,7 @@ def _run_grouped(session, tasks: list[Task], policies: dict, progress, failed) -
                 with suppress(Exception):
                     prefix = session.compress_media(media, context=head.context, source=head.id,
                                                     policy=policies[REFERENCE, 1.0])
-                    session.ask_prefix(prefix, head.question, source=head.id)
+                    list(session.ask_prefix(prefix, [head.question], source=head.id))
             references: dict[str, str] = {}
             for method, budget in runs:
                 key = f"{head.id} (+{len(group) - 1}) {method} b={budget:g}"
@@ -356,12 +359,13 @@ def _run_grouped(session, tasks: list[Task], policies: dict, progress, failed) -
                     progress.finish(key, False, time.perf_counter() - started)
                     continue
                 ok = True
-                for i, task in enumerate(group):
-                    try:
-                        result = session.ask_prefix(prefix, task.question, index=i, of=len(group), source=task.id)
-                    except Exception as e:
+                asked = session.ask_prefix(prefix, [task.question for task in group], source=head.id,
+                                           limits=limits)
+                for i, result in asked:
+                    task = group[i]
+                    if isinstance(result, BaseException):
                         results[task.id, method, budget] = _record(task, method, budget,
-                                                                   error=failed(f"{task.id} {method} b={budget:g}", e))
+                                                                   error=failed(f"{task.id} {method} b={budget:g}", result))
                         ok = False
                         continue
                     _keep(results, references, task, method, budget, result)

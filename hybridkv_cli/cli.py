@@ -33,6 +33,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 _state = {"debug": False}
 
 
+def _limits(batch_size: int | None, kv_memory: str | None, cuda_graphs: bool, distributed: bool):
+    """The decode limits ``--batch-size``, ``--kv-memory`` and ``--cuda-graphs`` give (a
+    UsageError for a bad size, or for batching with Ray workers, which decode one input each)."""
+    from hybridkv_cli.engine import Limits
+    from hybridkv_cli.option_values import parse_size
+
+    limits = Limits(batch_size, None if kv_memory is None else parse_size(kv_memory, "--kv-memory"), cuda_graphs)
+    if limits.batched and distributed:
+        flag = "--batch-size" if batch_size not in (None, 1) else "--kv-memory" if kv_memory else "--cuda-graphs"
+        raise UsageError("batches on this device; with --workers or --ray each worker decodes one input at a time",
+                         flag)
+    return limits
+
+
 def _method_options(values: dict) -> dict:
     """The method options among a command's parameters (None: not given)."""
     return {k: values[k] for k in METHOD_OPTIONS if k in values}
@@ -60,7 +74,6 @@ def ask(
 ):
     given = _method_options(locals())  # first: the parameters only
     from hybridkv_cli.batch import run_batch
-    from hybridkv_cli.batching import BatchLimits
     from hybridkv_cli.inputs import Item, plan_inputs, read_context
     from hybridkv_cli.session import AskOptions, Session
 
@@ -81,8 +94,7 @@ def ask(
                          "take media inputs", "--context")
     model, dtype, caches = resolve_cache_inputs(paths, model, dtype)
     multi = asked is not None or caches  # one compression (or a .hkv file), one record per question
-    limits = BatchLimits.of(batch_size, kv_memory, "-Q/--questions or .hkv inputs" if multi else
-                            "--workers or --ray" if workers or ray else None, cuda_graphs)
+    limits = _limits(batch_size, kv_memory, cuda_graphs, workers or ray)
     options = AskOptions(
         model=model, device=device, dtype=dtype, method=method or "hybridkv", method_given=method is not None,
         frames=frames, fps=fps, max_pixels=max_pixels, max_new_tokens=max_new_tokens,
@@ -95,7 +107,7 @@ def ask(
         return ask_questions(Session(options, stage=status(quiet)), paths, asked or [(question, ())],
                              context=context, each=each, caches=caches, as_json=as_json, jsonl=jsonl,
                              output=output, resume=resume, quiet=quiet, debug=debug, workers=workers, address=ray,
-                             gpus_per_worker=gpus_per_worker)
+                             gpus_per_worker=gpus_per_worker, limits=limits)
     session = Session(options, stage=status(quiet))  # refuses a bad method or option before any input is read
     batch = each or "-" in paths or jsonl or output is not None or workers or ray
     if as_json and jsonl:
@@ -212,7 +224,6 @@ def bench(
     batch_size: Optional[int] = BATCH_SIZE, kv_memory: Optional[str] = KV_MEMORY, cuda_graphs: bool = CUDA_GRAPHS,
 ):
     given = _method_options(locals())  # first: the parameters only
-    from hybridkv_cli.batching import BatchLimits
     from hybridkv_cli.bench import Task, method_options, parse_budgets, parse_methods, read_tasks, run_bench
     from hybridkv_cli.bench_report import render_bench, save
     from hybridkv_cli.inputs import Item
@@ -220,8 +231,7 @@ def bench(
 
     _state["debug"] = debug
     names, sweep = parse_methods(methods), parse_budgets(budgets)
-    limits = BatchLimits.of(batch_size, kv_memory, "--per-video" if per_video else
-                            "--workers or --ray" if workers or ray else None, cuda_graphs)
+    limits = _limits(batch_size, kv_memory, cuda_graphs, workers or ray)
     options = given
     method_options(names, options)  # refuses what no method takes before anything loads
     if tasks is not None:

@@ -133,10 +133,10 @@ RAY = typer.Option(None, "--ray", metavar="ADDRESS", help="Join the Ray cluster 
 GPUS_PER_WORKER = typer.Option(0.0, "--gpus-per-worker", min=0.0, max=1024.0, help="GPUs each Ray worker holds (a "
                                "fraction packs several workers on one GPU) [default: 0, the CPU].")
 
-# Many inputs decoded together on one device (hybridkv_cli/batching.py, docs/batching.md).
-BATCH_SIZE = typer.Option(None, "--batch-size", min=1, metavar="N", help="Decode up to N inputs together "
-                          "(continuous batching: an input joins as another finishes) [default: 1, or as many as "
-                          "--kv-memory admits].")
+# Many generations decoded together on one device (hybridkv_cli/engine/, docs/batching.md).
+BATCH_SIZE = typer.Option(None, "--batch-size", min=1, metavar="N", help="Decode up to N answers together "
+                          "(inputs, or the questions of -Q/--questions about one compressed input; continuous "
+                          "batching: one joins as another finishes) [default: 1, or as many as --kv-memory admits].")
 KV_MEMORY = typer.Option(None, "--kv-memory", metavar="SIZE", help="Admit inputs to the batch while their device KV "
                          "(measured) stays within SIZE, e.g. 4GiB or 512MB: a compressed cache admits more.")
 CUDA_GRAPHS = typer.Option(False, "--cuda-graphs", help="Decode through the batch decoder and, on CUDA, replay each "

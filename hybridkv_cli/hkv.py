@@ -36,7 +36,8 @@ from hybridkv_cli.errors import HybridKVError
 from hybridkv_cli.graph import GraphError, flatten, rebuild
 from hybridkv_cli.state_kinds import DTYPES, StateError, check_layers, schema_digest
 from hybridkv_cli.compression.base import Policy, check_budget
-from hybridkv_cli.multi import CompressedPrefix, QuestionTemplate
+from hybridkv_cli.engine.prefix import Prefix
+from hybridkv_cli.prompt import QuestionTemplate
 
 SUFFIX = ".hkv"
 FORMAT = "hybridkv-cache"
@@ -98,7 +99,7 @@ def _digest(tensors: dict[str, torch.Tensor], header: dict) -> str:
     return h.hexdigest()
 
 
-def save(path: str | os.PathLike, prefix: CompressedPrefix, loaded) -> int:
+def save(path: str | os.PathLike, prefix: Prefix, loaded) -> int:
     """Write ``prefix`` to ``path`` atomically; returns the file's size in bytes."""
     from safetensors.torch import save_file
 
@@ -106,8 +107,8 @@ def save(path: str | os.PathLike, prefix: CompressedPrefix, loaded) -> int:
     # a storage of no bytes (an empty generated-KV buffer) is rebuilt empty: not stored
     tensors = {key: data.detach().cpu().contiguous() for key, data in storages.items() if data.numel()}
     tensors["visual"] = prefix.visual.cpu().to(torch.uint8)
-    dtypes = {key: str(value.dtype).removeprefix("torch.") for key, value in prefix.prefix.items()}
-    on_visual = _pack_tokens(prefix.prefix, prefix.visual.cpu(), tensors)
+    dtypes = {key: str(value.dtype).removeprefix("torch.") for key, value in prefix.tokens.items()}
+    on_visual = _pack_tokens(prefix.tokens, prefix.visual.cpu(), tensors)
     if prefix.rope_deltas is not None:
         tensors["rope_deltas"] = prefix.rope_deltas.cpu().contiguous()
     header = {
@@ -261,7 +262,7 @@ def intact(path: str | os.PathLike) -> bool:
         return False
 
 
-def load(path: str | os.PathLike, loaded, method: str | None = None) -> CompressedPrefix:
+def load(path: str | os.PathLike, loaded, method: str | None = None) -> Prefix:
     """The compressed prefix saved in ``path``, on the model's device (see the module docstring)."""
     from safetensors.torch import load_file
 
@@ -284,7 +285,7 @@ def load(path: str | os.PathLike, loaded, method: str | None = None) -> Compress
         raise CacheFileError(f"corrupt cache file ({type(e).__name__}: {_short(e)})", source) from None
 
 
-def _build(header: dict, tensors: dict, loaded) -> CompressedPrefix:
+def _build(header: dict, tensors: dict, loaded) -> Prefix:
     """The prefix a checked header and its tensors describe (:class:`GraphError`/:class:`StateError`
     or another exception when they do not fit together)."""
     device = loaded.device
@@ -331,15 +332,15 @@ def _build(header: dict, tensors: dict, loaded) -> CompressedPrefix:
     info = header.get("input") or {}
     if type(info) is not dict:
         raise GraphError("the media description is not a mapping")
-    return CompressedPrefix(
-        policy=policy, state=tuple(state), seen=seen,
-        visual=visual, prefix=prefix,
+    cache = Prefix.cache_of(policy, tuple(state), seen, visual, device, compress_seconds=float(
+        header["compress_seconds"]), prefill_peak_bytes=int(header["prefill_peak_bytes"]))
+    return Prefix(
+        policy=policy, cache=cache, seen=seen, visual=visual, tokens=prefix, shared=True,
         rope_deltas=tensors.get("rope_deltas"),
         template=QuestionTemplate(list(template["head"]), list(template["tail"])),
-        prefill_s=float(header["prefill_s"]), compress_seconds=float(header["compress_seconds"]),
-        prefill_peak_bytes=int(header["prefill_peak_bytes"]), device_bytes=int(header["device_bytes"]),
-        host_bytes=int(header["host_bytes"]), info=dict(info),
-        role=str(header.get("role", "visual")),
+        prefill_s=float(header["prefill_s"]), compress_seconds=cache.compress_seconds,
+        prefill_peak_bytes=cache.prefill_peak_bytes, device_bytes=int(header["device_bytes"]),
+        host_bytes=int(header["host_bytes"]), info=dict(info), role=str(header.get("role", "visual")),
     )
 
 

@@ -23,7 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 from hybridkv_cli.compression import Policy, make_policy
 from hybridkv_cli.compression.cache import PolicyCache, policy_attention
 from hybridkv_cli.errors import UsageError
-from hybridkv_cli.generation import Generation, StepClock, now
+from hybridkv_cli.engine.measure import Generation, Meter
 from hybridkv_cli.loaded import LoadedModel
 from hybridkv_cli.record import measurements
 
@@ -71,7 +71,7 @@ class CompressionRun:
         roles = roles_from_ids(input_ids, self.model.config) if self.roles is None else _as_roles(self.roles, n)
         cache = PolicyCache(self.policy, self.model.config.get_text_config().num_hidden_layers, roles)
         self.generations.append(Generation(tokens=[], prefill_s=0.0, step_s=[], cache=cache,
-                                           device_bytes_after_prefill=0))
+                                           device_bytes_after_prefill=0, compressed=n))
         self._prompts.append(roles)
         return cache
 
@@ -92,7 +92,7 @@ class CompressionRun:
             "input": {"visual_tokens": visual, "text_tokens": roles.numel() - visual},
             "method": self.policy.name,
             "budget": self.policy.budget,
-            **measurements(loaded, self.policy, run, roles.numel()),
+            **measurements(loaded, self.policy, run),
             "model": loaded.name,
             "device": str(loaded.device),
             "dtype": str(loaded.dtype).removeprefix("torch."),
@@ -115,28 +115,36 @@ class CompressionRun:
         if input_ids is None:
             raise UsageError("compress() reads token roles from input_ids: pass them to generate", "input_ids")
         cache = self.new_cache(input_ids)
-        device = self.model.device
         measured: list[int] = []
-        clock = StepClock(device, on_first_token=lambda: measured.append(cache.device_bytes()))
+        meter = Meter(self.model.device)  # what cuda_peak_bytes reports: this generation's
+        clock = StepClock(meter, on_first_token=lambda: measured.append(cache.device_bytes()))
         user_streamer = kwargs.pop("streamer", None)
         streamer = clock if user_streamer is None else _Tee(clock, user_streamer)
-        cuda = device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)  # what cuda_peak_bytes reports: this generation's
-            base = torch.cuda.memory_allocated(device)
-        start = now(device)
         out = stock(*args, **kwargs, cache=cache, streamer=streamer)
-        stamps = [start, *clock.stamps]
-        self.generations[-1] = Generation(
-            tokens=_new_tokens(out, input_ids.shape[-1]),
-            prefill_s=stamps[1] - stamps[0] if len(stamps) > 1 else 0.0,
-            step_s=[b - a for a, b in zip(stamps[1:], stamps[2:])],
-            cache=cache,
-            device_bytes_after_prefill=measured[0] if measured else cache.device_bytes(),
-            cuda_peak_bytes=torch.cuda.max_memory_allocated(device) - base if cuda else None,
-        )
+        n = input_ids.shape[-1]
+        self.generations[-1] = meter.finish(_new_tokens(out, n), cache,
+                                            measured[0] if measured else cache.device_bytes(), n)
         return out
+
+
+class StepClock(BaseStreamer):
+    """Hands ``meter`` every token ``generate`` emits (its first put is the prompt itself);
+    ``on_first_token()`` runs when the first one arrives, before it is appended to the cache."""
+
+    def __init__(self, meter: Meter, on_first_token):
+        self.meter, self.on_first_token = meter, on_first_token
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.meter.token()
+        if self.meter.first is not None and not self.meter.steps:
+            self.on_first_token()
+
+    def end(self):
+        pass
 
 
 class _Tee(BaseStreamer):
@@ -171,7 +179,7 @@ def _own_loop(run: Generation, prompt_length: int) -> Generation:
     """A generation from a cache driven by the caller's loop: the tokens it saw past the prompt."""
     generated = max(0, run.cache.get_seq_length() - prompt_length)
     return Generation(tokens=[0] * generated, prefill_s=0.0, step_s=[], cache=run.cache,
-                      device_bytes_after_prefill=run.cache.device_bytes())
+                      device_bytes_after_prefill=run.cache.device_bytes(), compressed=prompt_length)
 
 
 @contextlib.contextmanager

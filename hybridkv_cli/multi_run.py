@@ -1,7 +1,8 @@
 """The command-line side of one compression, many questions: ``ask -Q ... -Q ...``,
 ``ask --questions FILE``, ``ask clip.hkv QUESTION`` and ``hybridkv compress`` (one cache file per
-input, ``--each`` into a folder, ``--resume``). The work itself is :mod:`hybridkv_cli.multi`
-(compress once, answer from copies) and :mod:`hybridkv_cli.hkv` (the file format); the loops
+input, ``--each`` into a folder, ``--resume``). The work itself is the session's (one shared
+prefix, a job per question: :meth:`~hybridkv_cli.session.Session.answer_all`) and
+:mod:`hybridkv_cli.hkv` (the file format); the loops
 report one line per failure and go on, like :func:`hybridkv_cli.batch.run_batch`.
 """
 
@@ -54,9 +55,10 @@ def resolve_cache_inputs(paths: list[str], model: str | None, dtype: str) -> tup
 def ask_questions(session, paths: list[str], asked: list[tuple[str, tuple[str, ...]]], *, context: str | None,
                   each: bool, caches: bool, as_json: bool, jsonl: bool, output, resume: bool, quiet: bool,
                   debug: bool, workers: int | None = None, address: str | None = None,
-                  gpus_per_worker: float = 0.0) -> int:
+                  gpus_per_worker: float = 0.0, limits=None) -> int:
     """Answer every question about every input (each compressed once, or read from its ``.hkv``
-    file); one record per question. ``workers`` / ``address``: on Ray workers
+    file); one record per question, the questions of an input decoded together under ``limits``
+    (an :class:`~hybridkv_cli.engine.Limits`). ``workers`` / ``address``: on Ray workers
     (:func:`~hybridkv_cli.distributed.run_distributed`, the same records). Returns the exit status."""
     from rich.console import Console
 
@@ -78,7 +80,7 @@ def ask_questions(session, paths: list[str], asked: list[tuple[str, tuple[str, .
     if as_json:
         if len(items) != 1 or len(asked) != 1:
             raise UsageError("--json prints one object for one question about one input; use --jsonl", "--json")
-        record = session.answer_all(items[0], [asked[0][0]], context=text)[0]
+        record = session.answer_all(items[0], [asked[0][0]], context=text, limits=limits)[0]
         print(json.dumps(record), flush=True)
         return 0
     single = len(items) == 1 and output is None and not jsonl
@@ -89,7 +91,7 @@ def ask_questions(session, paths: list[str], asked: list[tuple[str, tuple[str, .
 
         return run_distributed(items, None, session.options, workers=workers, address=address,
                                gpus_per_worker=gpus_per_worker, **kw).exit_code
-    return run_batch(items, None, session, context=text, **kw).exit_code
+    return run_batch(items, None, session, context=text, limits=limits, **kw).exit_code
 
 
 def cache_targets(items, output: Path, each: bool) -> list[Path]:

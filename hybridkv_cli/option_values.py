@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 from hybridkv_cli.errors import UsageError
 
@@ -114,3 +115,21 @@ def check_option(name: str, value) -> None:
 def check_options(options: dict) -> None:
     for name, value in options.items():
         check_option(name, value)
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes of a size such as ``4GiB``, ``512MB`` or ``1e9`` (a UsageError naming ``flag`` if not one)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if unit not in _UNITS or float(m.group(1)) <= 0:
+        raise UsageError(f"expected a size such as 4GiB or 512MB, got '{text}'", flag)
+    size = float(m.group(1)) * _UNITS[unit]
+    if not size < 2**63:  # 1e999GiB is infinite
+        raise UsageError(f"'{text}' is too large (at most 8 EiB)", flag)
+    if size < 1:
+        raise UsageError(f"'{text}' is less than one byte", flag)
+    return int(size)

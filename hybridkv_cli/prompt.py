@@ -80,6 +80,37 @@ class Prompt:
     def text_tokens(self) -> int:
         return self.length - self.visual_tokens
 
+    @property
+    def question_start(self) -> int:
+        """Where the tokens after the media (or text context) begin: the question and the
+        chat-template tail, what a deferred question reads after compression."""
+        roles = self.visual.nonzero()
+        return int(roles.max()) + 1 if len(roles) else self.length
+
+
+@dataclass
+class QuestionTemplate:
+    """The tokens around a question after a prompt's media: ``head`` (e.g. ``<|vision_end|>``) and
+    ``tail`` (the end of the user turn and the assistant header), so a question about a
+    compressed prefix is ``head + question + tail`` with no media at hand."""
+
+    head: list[int]
+    tail: list[int]
+
+    @classmethod
+    def of(cls, tokenizer, prompt: Prompt, question: str) -> "QuestionTemplate":
+        """Read from ``prompt``, built for ``question``: where its question tokens sit after the media."""
+        ids = prompt.inputs["input_ids"][0].tolist()
+        cut = prompt.question_start
+        q = question_ids(tokenizer, question.strip())
+        for start in range(len(ids) - len(q), cut - 1, -1):
+            if ids[start:start + len(q)] == q:
+                return cls(ids[cut:start], ids[start + len(q):])
+        raise RuntimeError("the question's tokens were not found in its prompt")
+
+    def suffix(self, tokenizer, question: str) -> list[int]:
+        return [*self.head, *question_ids(tokenizer, question), *self.tail]
+
 
 def chat_text(processor, media: MediaInput, text: str) -> str:
     """The chat template rendered for ``media`` + ``text`` (one visual placeholder per image/video)."""

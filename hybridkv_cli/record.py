@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 
 from hybridkv_cli.compression import Policy
-from hybridkv_cli.generation import Generation, question_length
+from hybridkv_cli.engine.measure import Generation
 from hybridkv_cli.loaded import LoadedModel
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.prompt import Prompt
@@ -53,12 +53,12 @@ def input_record(media: MediaInput | None, prompt: Prompt) -> dict:
     return record
 
 
-def measurements(loaded: LoadedModel, policy: Policy, run: Generation, compressed: int) -> dict:
-    """The measured fields of a record: ``prefill_s``, ``decode``, ``kv``, ``traffic``, ``heads``.
-
-    ``compressed`` is how many prompt tokens the policy compressed (the budget's base). Shared by
+def measurements(loaded: LoadedModel, policy: Policy, run: Generation) -> dict:
+    """The measured fields of a record: ``prefill_s``, ``decode``, ``kv``, ``traffic``, ``heads``
+    (the budget's base: the prompt tokens the policy compressed, ``run.compressed``). Shared by
     the CLI record and :meth:`hybridkv_cli.library.CompressionRun.report`.
     """
+    compressed = run.compressed
     per_token = 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * loaded.dtype.itemsize
     full_bytes = per_token * run.cache.get_seq_length()
     budget_bytes = policy.budget * per_token * compressed
@@ -87,19 +87,18 @@ def measurements(loaded: LoadedModel, policy: Policy, run: Generation, compresse
     }
 
 
-def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, question: str, policy: Policy,
-                run: Generation, defer_question: bool) -> dict:
-    """The record of ``run``, the answer to ``question`` about ``media`` (None: a text prompt)."""
-    # What the policy compressed: the prompt, or with a deferred question the part before it.
-    compressed = prompt.length - (question_length(prompt) if defer_question else 0)
+def make_record(loaded: LoadedModel, info: dict, question: str, policy: Policy, run: Generation,
+                defer_question: bool) -> dict:
+    """The record of ``run``, the answer to ``question`` about the input ``info`` describes
+    (:func:`input_record`)."""
     return {
-        "input": input_record(media, prompt),
+        "input": info,
         "question": question,
         "answer": loaded.tokenizer.decode(run.tokens, skip_special_tokens=True).strip(),
         "method": policy.name,
         "budget": policy.budget,
         "defer_question": defer_question,
-        **measurements(loaded, policy, run, compressed),
+        **measurements(loaded, policy, run),
         "model": loaded.name,
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
@@ -107,13 +106,11 @@ def make_record(loaded: LoadedModel, media: MediaInput | None, prompt: Prompt, q
     }
 
 
-def prefix_record(record: dict, prefix, prompt: Prompt, *, index: int, of: int, cache_file: str | None) -> dict:
-    """``record`` (one question answered from a compressed prefix, ``multi.answer``) with the
-    input the prefix was compressed from and the shared work: ``shared.prefill_s``, the one
-    prefill + compression of the media, is given on the first question's record only (None on
-    the others; from a ``.hkv`` file: the time it took when it was compressed), and ``prefill_s``
-    is this question's own time to its first token."""
-    record["input"] = {**prefix.info, "text_tokens": prompt.text_tokens}
+def prefix_record(record: dict, prefix, *, index: int, of: int, cache_file: str | None) -> dict:
+    """``record`` (one question answered from a shared compressed prefix) with the shared work:
+    ``shared.prefill_s``, the one prefill + compression of the media, is given on the first
+    question's record only (None on the others; from a ``.hkv`` file: the time it took when it
+    was compressed), and ``prefill_s`` is this question's own time to its first token."""
     record["shared"] = {
         "questions": of,
         "index": index,

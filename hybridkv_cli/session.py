@@ -1,6 +1,6 @@
 """The session: one model, loaded once, answering inputs along one straight line.
 
-    inputs -> media -> prompt -> generate(policy) -> record
+    inputs -> media -> prompt -> prefill(policy) -> decode(jobs) -> record
 
 ``hybridkv ask`` (one input or many), ``profile`` and ``bench`` all answer through a
 :class:`Session`. It loads the model on first need (after the first input's media, so a bad
@@ -25,12 +25,11 @@ from hybridkv_cli import models, signals
 from hybridkv_cli.compression import Policy, make_policy
 from hybridkv_cli.errors import (ContextLengthError, HybridKVError, MediaWarning, ModelError, OutOfMemoryError,
                                  UsageError, one_line)
-from hybridkv_cli.generation import generate
+from hybridkv_cli.engine import Job, Limits, Prefix, decode, prefill, prompt_job
 from hybridkv_cli.inputs import Item
 from hybridkv_cli.loaded import LoadedModel
 from hybridkv_cli.media import MediaInput, load_media
-from hybridkv_cli.prompt import Prompt, build_prompt, build_text_prompt
-from hybridkv_cli.multi import TEMPLATE_QUESTION, CompressedPrefix, QuestionTemplate, answer, compress_prefix
+from hybridkv_cli.prompt import Prompt, QuestionTemplate, build_prompt, build_text_prompt
 from hybridkv_cli.record import input_record, make_record, prefix_record
 
 
@@ -47,7 +46,7 @@ class AskOptions:
     fps: float | None = None
     max_pixels: int | None = None
     max_new_tokens: int = 128
-    defer_question: bool = False  # compress before the question is read (generation.generate)
+    defer_question: bool = False  # compress before the question is read (its tokens then decode as a suffix)
     method_given: bool = True  # --method was given (a .hkv input with another method is refused)
 
 
@@ -60,6 +59,10 @@ class Prepared:
     prompt: Prompt
     question: str
     source: str
+
+
+#: The question a prefix's template prompt is built with (any question gives the same template).
+TEMPLATE_QUESTION = "?"
 
 
 class Session:
@@ -134,25 +137,20 @@ class Session:
 
     def run(self, prepared: Prepared, policy: Policy, *, max_new_tokens: int | None = None) -> dict:
         """Generate with ``policy`` and return the result record (README, "JSON output")."""
-        loaded, o = self.model(), self.options
         with self.stage(f"answering ({policy.name}, budget {policy.budget:g}) ..."):
-            generation = self._guarded(prepared.source, generate, loaded.model, prepared.prompt, policy,
-                                       max_new_tokens=max_new_tokens or o.max_new_tokens,
-                                       defer_question=o.defer_question)
-        return make_record(loaded, prepared.media, prepared.prompt, prepared.question, policy, generation,
-                           o.defer_question)
+            (_, record), = self.decode_together([(None, lambda: prepared)], policy, Limits(), max_new_tokens)
+        if isinstance(record, BaseException):
+            raise record
+        return record
 
     # --- the straight line -------------------------------------------------------------------
-    def answer(self, item: Item, question: str, context: str | None = None, limits=None) -> dict:
+    def answer(self, item: Item, question: str, context: str | None = None, limits: Limits = Limits()) -> dict:
         """The result record for ``item`` (no paths: a text prompt about ``context``); raises a
-        :class:`HybridKVError` for a bad input. With ``limits`` that batch (``--cuda-graphs``), it
-        is decoded by the batch decoder, alone."""
-        if limits is not None and limits.batched:
-            (_, record), = self.answer_batched([item], question, limits, context)
-            if isinstance(record, BaseException):
-                raise record
-            return record
-        return self.run(self.prepare_item(item, question, context), self.policy)
+        :class:`HybridKVError` for a bad input."""
+        (_, record), = self.answer_batched([item], question, limits, context)
+        if isinstance(record, BaseException):
+            raise record
+        return record
 
     def prepare_item(self, item: Item, question: str, context: str | None = None) -> Prepared:
         """``item``'s media loaded and its prompt built (no paths: a text prompt about ``context``)."""
@@ -161,40 +159,45 @@ class Session:
         media = self.load_media(item.paths) if item.paths else None
         return self.prepare(media, question, context=context, source=item.key if item.paths else None)
 
-    # --- many inputs decoded together (batching.py) ---------------------------------------------
-    def answer_batched(self, items, question: str, limits, context: str | None = None):
-        """``(item, record)`` of every item, decoded together under ``limits`` (a
-        :class:`~hybridkv_cli.batching.BatchLimits`), in the order they finish; a failed input's
-        record is its :class:`HybridKVError` (or the exception) instead. Each record is the one
-        :meth:`answer` gives, plus ``batch``: how it was batched. ``items`` are read as the batch
-        has room for them."""
+    def answer_batched(self, items, question: str, limits: Limits, context: str | None = None):
+        """``(item, record)`` of every item, decoded together under ``limits``, in the order they
+        finish; a failed input's record is its :class:`HybridKVError` (or the exception) instead.
+        A batching run's records say how they were batched (``batch``). ``items`` are read as the
+        batch has room for them."""
         jobs = ((item, lambda item=item: self.prepare_item(item, question, context)) for item in items)
         return self.decode_together(jobs, self.policy, limits)
 
-    def decode_together(self, jobs, policy: Policy, limits):
+    def decode_together(self, jobs, policy: Policy, limits: Limits, max_new_tokens: int | None = None):
         """``(tag, record or error)`` of ``jobs`` (``(tag, prepare)`` pairs, ``prepare()`` giving
-        a :class:`Prepared`) decoded together with ``policy`` (see :meth:`answer_batched`)."""
-        from hybridkv_cli.batching import decode_batched, prefill
-
+        a :class:`Prepared`): each prefilled up to its question (all of it unless the question is
+        deferred) and decoded under ``limits`` (see :func:`hybridkv_cli.engine.jobs.decode`)."""
         o = self.options
 
-        def first_token(prepared: Prepared):
-            return self._guarded(prepared.source, prefill, self.model().model, prepared.prompt, policy,
-                                 o.defer_question)
+        def job(tag, prepare) -> Job:
+            prepared = prepare()
+            job = prompt_job(self.model().model, prepared.prompt, policy, o.defer_question, tag=tag, about=prepared)
+            unguarded = job.prefill
+            job.prefill = lambda: self._guarded(prepared.source, unguarded)
+            return job
 
-        for outcome in decode_batched(lambda: self.model().model, jobs, first_token, max_new_tokens=o.max_new_tokens,
-                                      limits=limits, on_step=signals.raise_if_stopped):
+        engine_jobs = ((tag, lambda tag=tag, prepare=prepare: job(tag, prepare)) for tag, prepare in jobs)
+        for outcome in self._decode(engine_jobs, limits, max_new_tokens):
+            p = outcome.job.about
             if outcome.error is not None:
-                yield outcome.tag, outcome.error
+                yield outcome.job.tag, self._failure(p.source if p else "", outcome.error)
                 continue
-            p = outcome.prepared
-            record = make_record(self.model(), p.media, p.prompt, p.question, policy, outcome.generation,
-                                 o.defer_question)
-            record["batch"] = outcome.batch
-            yield outcome.tag, record
+            record = make_record(self.model(), input_record(p.media, p.prompt), p.question, policy,
+                                 outcome.generation, o.defer_question)
+            if limits.batched:
+                record["batch"] = outcome.batch
+            yield outcome.job.tag, record
 
-    # --- one compression, many questions (multi.py, hkv.py) ------------------------------------
-    def compress(self, item: Item, context: str | None = None) -> CompressedPrefix:
+    def _decode(self, jobs, limits: Limits, max_new_tokens: int | None = None):
+        return decode(lambda: self.model().model, jobs, max_new_tokens=max_new_tokens or self.options.max_new_tokens,
+                      limits=limits, on_step=signals.raise_if_stopped)
+
+    # --- one compression, many questions --------------------------------------------------------
+    def compress(self, item: Item, context: str | None = None) -> Prefix:
         """``item``'s prefix (media, or the text ``context``) prefilled and compressed once, with
         no question read; a ``.hkv`` item is loaded from its file instead."""
         from hybridkv_cli import hkv
@@ -207,22 +210,24 @@ class Session:
         return self.compress_media(media, context=context, source=item.key if item.paths else None)
 
     def compress_media(self, media: MediaInput | None, *, context: str | None = None, source: str | None = None,
-                       policy: Policy | None = None) -> CompressedPrefix:
+                       policy: Policy | None = None) -> Prefix:
         """``media`` (None: the text ``context``) prefilled and compressed with ``policy`` (default:
-        the session's), no question read."""
+        the session's), no question read: a shared prefix every question decodes a copy of."""
         policy = policy or self.policy
         prepared = self.prepare(media, TEMPLATE_QUESTION, context=context, source=source)
-        loaded = self.model()
-        template = QuestionTemplate.of(loaded.tokenizer, prepared.prompt, prepared.question)
+        prompt = prepared.prompt
+        if prompt.question_start == prompt.length:
+            raise HybridKVError("the prompt has no question after its media", prepared.source)
         with self.stage(f"compressing ({policy.name}, budget {policy.budget:g}) ..."):
-            prefix = self._guarded(prepared.source, compress_prefix, loaded.model, prepared.prompt, policy,
-                                   template)
-        info = input_record(media, prepared.prompt)
+            prefix = self._guarded(prepared.source, prefill, self.model().model, prompt, policy,
+                                   prompt.question_start, shared=True)
+        prefix.template = QuestionTemplate.of(self.model().tokenizer, prompt, prepared.question)
+        info = input_record(media, prompt)
         info.pop("text_tokens", None)  # the question's: set per record
         prefix.info = info
         return prefix
 
-    def load_cache(self, path: str) -> CompressedPrefix:
+    def load_cache(self, path: str) -> Prefix:
         """The compressed prefix saved in the ``.hkv`` file ``path`` (a :class:`CacheFileError` if
         it is not one, or not for this model, dtype, method or its options)."""
         from hybridkv_cli import hkv
@@ -239,52 +244,77 @@ class Session:
         with self.stage("loading the compressed cache ..."):
             return self._guarded(path, hkv.load, path, self.model(), o.method if o.method_given else None)
 
-    def ask_prefix(self, prefix: CompressedPrefix, question: str, *, index: int = 0, of: int = 1,
-                   source: str = "", cache_file: str | None = None) -> dict:
-        """The record of ``question`` answered from a fresh copy of ``prefix``."""
+    def ask_prefix(self, prefix: Prefix, questions: list[str], *, limits: Limits = Limits(), source: str = "",
+                   cache_file: str | None = None):
+        """``(index, record or error)`` of each question answered from a copy of ``prefix``, in
+        the order they finish (decoded together under ``limits``); a question too long for the
+        model's context is its own :class:`ContextLengthError`."""
         loaded, o = self.model(), self.options
-        suffix = prefix.template.suffix(loaded.tokenizer, question)
         limit = loaded.context_limit
         check_new_tokens(o.max_new_tokens, limit)
-        if limit and prefix.seen + len(suffix) + o.max_new_tokens > limit:
-            raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {o.max_new_tokens} new, "
-                                     f"more than the model's context of {limit} tokens", source)
-        with self.stage(f"answering question {index + 1} of {of} ..."):
-            generation, prompt = self._guarded(source, answer, loaded.model, prefix, suffix, o.max_new_tokens)
-        record = make_record(loaded, None, prompt, question, prefix.policy, generation, True)
-        return prefix_record(record, prefix, prompt, index=index, of=of, cache_file=cache_file)
+        context_tokens = prefix.seen - int(prefix.visual.sum())
+
+        def job(index: int) -> Job:
+            suffix = prefix.template.suffix(loaded.tokenizer, questions[index])
+            if limit and prefix.seen + len(suffix) + o.max_new_tokens > limit:
+                raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {o.max_new_tokens} "
+                                         f"new, more than the model's context of {limit} tokens", source)
+            return Job(index, suffix, prefix=prefix, length=prefix.seen + len(suffix))
+
+        stage = f"answering {len(questions)} question{'s' if len(questions) > 1 else ''} ..."
+        with self.stage(stage):
+            for outcome in self._decode(((i, lambda i=i: job(i)) for i in range(len(questions))), limits):
+                i = outcome.job.tag
+                if outcome.error is not None:
+                    yield i, self._failure(source, outcome.error)
+                    continue
+                text = context_tokens + len(outcome.job.suffix)
+                record = make_record(loaded, {**prefix.info, "text_tokens": text}, questions[i], prefix.policy,
+                                     outcome.generation, True)
+                if limits.batched:
+                    record["batch"] = outcome.batch
+                yield i, prefix_record(record, prefix, index=i, of=len(questions), cache_file=cache_file)
 
     def answer_all(self, item: Item, questions: list[str], context: str | None = None,
                    failed: Callable[[str, HybridKVError], dict] | None = None,
-                   each: Callable[[int, dict], None] | None = None) -> list[dict]:
-        """One record per question about ``item``, compressed once (a ``.hkv`` item: loaded).
-        ``failed(question, error)``: the record of a question that fails on its own (too long for
-        the context, out of memory), so the other questions keep their answers (None: raise).
-        ``each(index, record)`` is called with every record as soon as it exists (the run writes
-        it then: a stop loses at most the question in flight)."""
+                   each: Callable[[int, dict], None] | None = None, limits: Limits = Limits()) -> list[dict]:
+        """One record per question about ``item``, compressed once (a ``.hkv`` item: loaded), in
+        question order. ``failed(question, error)``: the record of a question that fails on its own
+        (too long for the context, out of memory), so the other questions keep their answers (None:
+        raise). ``each(index, record)`` is called with every record as soon as it exists (the run
+        writes it then: a stop loses at most the questions in flight)."""
         from hybridkv_cli import hkv
 
         prefix = self.compress(item, context=context)
         cache_file = item.paths[0] if item.paths and hkv.is_cache_path(item.paths[0]) else None
         if cache_file is not None:
             prefix.info = {**prefix.info, "media_label": prefix.info.get("label"), "label": item.key}
-        records = []
-        for i, q in enumerate(questions):
-            try:
-                records.append(self.ask_prefix(prefix, q, index=i, of=len(questions), cache_file=cache_file,
-                                               source=item.key if item.paths else "--context"))
-            except (UsageError, ModelError):
-                raise
-            except HybridKVError as e:
-                if failed is None:
-                    raise
-                records.append(failed(q, e))
+        records: dict[int, dict] = {}
+        for i, record in self.ask_prefix(prefix, questions, limits=limits, cache_file=cache_file,
+                                         source=item.key if item.paths else "--context"):
+            if isinstance(record, BaseException):
+                if isinstance(record, (UsageError, ModelError)) or failed is None or not isinstance(
+                        record, HybridKVError):
+                    raise record
+                record = failed(questions[i], record)
+            records[i] = record
             if each is not None:
-                each(i, records[-1])
-        return records
+                each(i, record)
+        return [records[i] for i in sorted(records)]
 
-    @staticmethod
-    def _guarded(source: str, step, *args, **kwargs):
+    def _failure(self, source: str, error: BaseException) -> BaseException:
+        """A generation's error as the one-line error it is reported as (running out of memory
+        named as such)."""
+        if not _is_oom(error):
+            return error
+        where = "device" if isinstance(error, torch.OutOfMemoryError) else "host"
+        m = re.search(r"[Tt]ried to allocate ([\d.]+ ?[KMGT]?i?B)", str(error))
+        detail = f" (tried to allocate {m.group(1)})" if m else ""
+        _free_memory()
+        return OutOfMemoryError(f"out of {where} memory{detail}; try a lower --budget, fewer --frames or a lower "
+                                "--max-pixels", source)
+
+    def _guarded(self, source: str, step, *args, **kwargs):
         """``step(*args, **kwargs)``, with running out of memory turned into :class:`OutOfMemoryError`."""
         failed = None
         try:
@@ -292,13 +322,9 @@ class Session:
         except Exception as e:
             if not _is_oom(e):
                 raise
-            where = "device" if isinstance(e, torch.OutOfMemoryError) else "host"
-            failed = str(e)
-        _free_memory()  # here the exception and its frames are gone: the memory can be released
-        m = re.search(r"[Tt]ried to allocate ([\d.]+ ?[KMGT]?i?B)", failed)
-        detail = f" (tried to allocate {m.group(1)})" if m else ""
-        raise OutOfMemoryError(f"out of {where} memory{detail}; try a lower --budget, fewer --frames or a lower "
-                               "--max-pixels", source)
+            # only its kind and message: the failed step's frames must go so its memory can be freed
+            failed = (torch.OutOfMemoryError if isinstance(e, torch.OutOfMemoryError) else MemoryError)(str(e))
+        raise self._failure(source, failed)
 
 
 def check_new_tokens(max_new_tokens: int, limit: int | None) -> None:

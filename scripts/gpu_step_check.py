@@ -20,17 +20,16 @@ import sys
 import traceback
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import hybridkv_cli.compression.cache as cache_mod  # noqa: E402
 import hybridkv_cli.compression.hybridkv as hybrid_mod  # noqa: E402
-from hybridkv_cli.batching import Decoder, prefill  # noqa: E402
+from hybridkv_cli.engine import generate, prompt_job  # noqa: E402
+from hybridkv_cli.engine.decoder import Decoder  # noqa: E402
 from hybridkv_cli.compression import make_policy  # noqa: E402
 from hybridkv_cli.demo import build_demo_tokenizer  # noqa: E402
-from hybridkv_cli.generation import generate  # noqa: E402
 from hybridkv_cli.prompt import build_text_prompt  # noqa: E402
 
 NEW = 8
@@ -93,8 +92,7 @@ def run(model, tokenizer, policy, which: str) -> None:
     decoder = Decoder(model, NEW)
     decoder.eos = set()
     for i, p in enumerate(prompts):
-        g, rope = prefill(model, p, policy)
-        decoder.join(i, SimpleNamespace(prompt=p), g, rope)
+        decoder.join(decoder.start(prompt_job(model, p, policy, tag=i)))
     for _ in range(NEW - 1):
         decoder.step()
 

@@ -195,7 +195,7 @@ def test_out_of_memory_single_input(clip, capsys, monkeypatch):
     def oom(*a, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
 
-    monkeypatch.setattr("hybridkv_cli.session.generate", oom)
+    monkeypatch.setattr("hybridkv_cli.engine.jobs.prefill", oom)
     assert cli.run(["ask", str(clip), "What?", *FAST]) == 1
     err = capsys.readouterr().err
     assert err == (f"error: {clip}: out of device memory (tried to allocate 1.00 GiB); try a lower --budget, fewer "
@@ -206,7 +206,7 @@ def test_ctrl_c_single_input(clip, capsys, monkeypatch):
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("hybridkv_cli.session.generate", interrupted)
+    monkeypatch.setattr("hybridkv_cli.engine.jobs.prefill", interrupted)
     assert cli.run(["ask", str(clip), "What?", *FAST]) == 130
     assert capsys.readouterr().err == "interrupted\n"
 

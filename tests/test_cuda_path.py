@@ -36,10 +36,11 @@ sys.path.insert(0, "tests")
 from test_methods import CONTEXT, QUESTION, tiny_text_model
 import hybridkv_cli.compression.cache as cache_mod
 import hybridkv_cli.compression.hybridkv as hybrid_mod
-from hybridkv_cli.batching import Decoder, prefill
+from hybridkv_cli.engine import prompt_job
+from hybridkv_cli.engine.decoder import Decoder
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.demo import build_demo
-from hybridkv_cli.generation import generate
+from hybridkv_cli.engine import generate
 from hybridkv_cli.prompt import build_text_prompt
 from hybridkv_kernels import cuda_path
 from hybridkv_kernels.op_watch import OpWatch, watch_kernels
@@ -133,8 +134,7 @@ for label, options in (("default", {}), ("no refresh", {"refresh": "none"})):
     decoder = Decoder(llama.model, NEW)
     decoder.eos = set()
     for i, p in enumerate(prompts):
-        g, rope = prefill(llama.model, p, policy)
-        decoder.join(i, SimpleNamespace(prompt=p), g, rope)
+        decoder.join(decoder.start(prompt_job(llama.model, p, policy, tag=i)))
     steps.clear()
     members, planned = list(decoder.members), []
     for _ in range(NEW - 1):
@@ -145,7 +145,7 @@ for label, options in (("default", {}), ("no refresh", {"refresh": "none"})):
                     "layer_steps": len(steps), "planned": all(planned),
                     "max_launches_per_member": max(r["launches"] / r["members"] for r in steps)}
     result[label] = {"single": single, "batch": batch, "tokens": generation.tokens,
-                     "batch_tokens": [m.generation.tokens for m in members]}
+                     "batch_tokens": [m.tokens for m in members]}
 
 # CUDA graphs with the default configuration: StepReplay's own bookkeeping, its graph calls stood
 # in for (capture runs the step as CUDA's warm-up would; a replay reruns it), and the traces of
@@ -170,8 +170,7 @@ decoder = Decoder(llama.model, NEW, cuda_graphs=True)
 decoder.replay.enabled = True
 decoder.eos = set()
 for i, p in enumerate(prompts):
-    g, rope = prefill(llama.model, p, policy)
-    decoder.join(i, SimpleNamespace(prompt=p), g, rope)
+    decoder.join(decoder.start(prompt_job(llama.model, p, policy, tag=i)))
 traces, device_step = [], decoder.replay.step
 def replay_step():
     watch = OpWatch(trace=True)
@@ -180,13 +179,14 @@ def replay_step():
     traces.append(watch.trace)
 decoder.replay.step = replay_step
 members = list(decoder.members)
-from hybridkv_cli.batching import BatchLimits
+from hybridkv_cli.engine import Limits
+from hybridkv_cli.engine.jobs import batch_info
 for _ in range(NEW - 1):
     decoder.step()
-limits = BatchLimits(batch_size=2, cuda_graphs=True)
-result["graphs"] = {"replayed": [m.replayed for m in members], "warning": [m.info(limits)["graph_warning"] for m in members],
+limits = Limits(batch_size=2, cuda_graphs=True)
+result["graphs"] = {"replayed": [m.replayed for m in members], "warning": [batch_info(limits, m.joined, m.sizes, m.bytes, m.replayed)["graph_warning"] for m in members],
                     "same_trace": [traces[i] == traces[i + 1] for i in range(1, len(traces) - 1)],
-                    "tokens": [m.generation.tokens for m in members]}
+                    "tokens": [m.tokens for m in members]}
 print(json.dumps(result))
 """
 

@@ -21,7 +21,7 @@ from hybridkv_cli.compression import make_policy
 from hybridkv_cli.demo import build_demo
 from hybridkv_cli.errors import ModelError
 from hybridkv_cli.families import FAMILIES
-from hybridkv_cli.generation import generate
+from hybridkv_cli.engine import generate
 from hybridkv_cli.media import load_media
 from hybridkv_cli.prompt import build_prompt
 from hybridkv_cli.tiny_models import TINY_FAMILIES, build_tiny

@@ -16,10 +16,11 @@ from hybridkv_cli import cli, hkv
 from hybridkv_cli.compression import METHODS, make_policy
 from hybridkv_cli.media import load_media
 from hybridkv_cli.models import max_pixels_for
-from hybridkv_cli.multi import TEMPLATE_QUESTION, QuestionTemplate, answer, compress_prefix
+from hybridkv_cli.prompt import QuestionTemplate
 from hybridkv_cli.prompt import build_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
+from shared_prefix import TEMPLATE_QUESTION, answer, compress_prefix  # noqa: E402
 from demo_fixtures import SAMPLE, cached_demo, demo, video  # noqa: E402,F401 - fixtures
 from media_fixtures import make_video  # noqa: E402
 from method_options import needed  # noqa: E402
@@ -37,7 +38,7 @@ def make_prefix(demo, video, method, **options):
 
 def tokens(demo, prefix, question):
     suffix = prefix.template.suffix(demo.processor.tokenizer, question)
-    return answer(demo.model, prefix, suffix, max_new_tokens=NEW)[0].tokens
+    return answer(demo.model, prefix, suffix, max_new_tokens=NEW).tokens
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -49,7 +50,7 @@ def test_saved_and_reloaded_cache_answers_the_same(demo, video, method, tmp_path
     loaded = hkv.load(path, demo)
     assert loaded.policy == prefix.policy and loaded.seen == prefix.seen
     assert torch.equal(loaded.visual, prefix.visual)
-    assert all(torch.equal(loaded.prefix[k], v) for k, v in prefix.prefix.items())
+    assert all(torch.equal(loaded.tokens[k], v) for k, v in prefix.tokens.items())
     if prefix.rope_deltas is not None:
         assert torch.equal(loaded.rope_deltas, prefix.rope_deltas)
     for q in QUESTIONS:
@@ -84,8 +85,8 @@ def test_small_cache_file_is_the_compressed_bytes_and_a_small_header(demo, tmp_p
     kv = prefix.device_bytes + prefix.host_bytes
     assert kv <= size <= kv + 8 * 1024 and size <= 1.07 * kv, (size, kv)
     loaded = hkv.load(tmp_path / "c.hkv", demo)
-    assert loaded.prefix.keys() == prefix.prefix.keys()
-    assert all(torch.equal(loaded.prefix[k], v) for k, v in prefix.prefix.items())
+    assert loaded.tokens.keys() == prefix.tokens.keys()
+    assert all(torch.equal(loaded.tokens[k], v) for k, v in prefix.tokens.items())
 
 
 # --- bad files -------------------------------------------------------------------------------------

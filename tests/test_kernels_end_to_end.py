@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, torch
 from hybridkv_cli.compression import make_policy
-from hybridkv_cli.generation import generate
+from hybridkv_cli.engine import generate
 from hybridkv_cli.media import load_media
 from hybridkv_cli.demo import build_demo
 from hybridkv_cli.prompt import build_prompt
@@ -30,14 +30,13 @@ for name, method, options in (("full", "full", {}), ("hybridkv", "hybridkv", {"b
     out[name], out[name + "_dynamic_heads"] = run.tokens, (run.cache.summary() or {}).get("dynamic")
 # two prompts decoded together: one attention launch and one retrieval pass per layer for both
 from types import SimpleNamespace
-from hybridkv_cli.batching import BatchLimits, decode_batched, prefill
+from hybridkv_cli.engine import Limits, decode, prompt_job
 other = build_prompt(demo.processor, load_media(["sample_media/images/green_triangle.webp"], max_pixels=56 * 56),
                      "What shape is it?")
 policy = make_policy("hybridkv", **RETRIEVING)
-jobs = [(i, lambda p=p: SimpleNamespace(prompt=p)) for i, p in enumerate([prompt, other])]
-done = decode_batched(lambda: demo.model, jobs, lambda job: prefill(demo.model, job.prompt, policy),
-                      max_new_tokens=5, limits=BatchLimits(batch_size=2))
-out["batched"] = [o.generation.tokens for o in sorted(done, key=lambda o: o.tag)]
+jobs = [(i, lambda i=i, p=p: prompt_job(demo.model, p, policy, tag=i)) for i, p in enumerate([prompt, other])]
+done = decode(lambda: demo.model, jobs, max_new_tokens=5, limits=Limits(batch_size=2))
+out["batched"] = [o.generation.tokens for o in sorted(done, key=lambda o: o.job.tag)]
 print(json.dumps(out))
 """
 

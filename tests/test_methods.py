@@ -24,6 +24,7 @@ from PIL import Image
 from hybridkv_cli.api import ask
 from hybridkv_cli.compression import METHODS, make_policy
 from hybridkv_cli.compression.base import PrefillLayer
+from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.lookm import LookM, cumulative_attention, pivot_merge
 from hybridkv_cli.compression.madakv import MadaKV, plan_modalities
 from hybridkv_cli.compression.quest import Quest, page_bounds
@@ -33,7 +34,7 @@ from hybridkv_cli.compression.snapkv import SnapKV
 from hybridkv_cli.compression.sparsemm import SparseMM, head_budgets
 from hybridkv_cli.compression.streamingllm import StreamingLLM
 from hybridkv_cli.errors import HybridKVError
-from hybridkv_cli.generation import generate, question_length
+from hybridkv_cli.engine import generate
 from hybridkv_cli.media import load_media
 from hybridkv_cli.demo import build_demo
 from hybridkv_cli.loaded import LoadedModel
@@ -194,7 +195,7 @@ def test_question_after_compression_at_budget_one_reproduces_full(models, prompt
                    defer_question=True)
     assert run.tokens == reference[kind].tokens
     assert run.cache.get_seq_length() == prompt.length + NEW_TOKENS - 1  # every prompt token went in
-    assert 0 < question_length(prompt) < 40
+    assert 0 < (prompt.length - prompt.question_start) < 40
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -367,9 +368,10 @@ def test_lookm_keeps_recent_half_then_text_before_visual():
 
 
 def test_sparsemm_budgets_follow_scores_with_floor():
-    counts = head_budgets(torch.tensor([0.0, 1.0, 2.0]), budget=0.1, length=1000, min_share=0.1)
+    counts = head_budgets(torch.tensor([0.0, 1.0, 2.0]), Budget(0.1, length=1000, heads=3, entry_bytes=512), 0.1)
     assert counts.tolist() == [10, 100, 190] and int(counts.sum()) == 300
-    assert head_budgets(torch.tensor([0.0, 1.0, 30.0]), 1.0, 100, 0.1).tolist() == [100, 100, 100]
+    at_one = Budget(1.0, length=100, heads=3, entry_bytes=512)
+    assert head_budgets(torch.tensor([0.0, 1.0, 30.0]), at_one, 0.1).tolist() == [100, 100, 100]
 
 
 def test_sparsemm_reads_score_file_and_reports_on_the_fly(tmp_path):

@@ -12,11 +12,12 @@ import pytest
 
 from hybridkv_cli import cli
 from hybridkv_cli.compression import METHODS, make_policy
-from hybridkv_cli.generation import generate
-from hybridkv_cli.multi import TEMPLATE_QUESTION, QuestionTemplate, answer, compress_prefix
+from hybridkv_cli.engine import Limits, generate
+from hybridkv_cli.prompt import QuestionTemplate
 from hybridkv_cli.prompt import build_prompt, build_text_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
+from shared_prefix import TEMPLATE_QUESTION, answer, answer_all, compress_prefix  # noqa: E402
 from demo_fixtures import SAMPLE, cached_demo, demo, video  # noqa: E402,F401 - fixtures
 from media_fixtures import make_video  # noqa: E402
 from method_options import needed  # noqa: E402
@@ -44,11 +45,29 @@ def test_every_question_equals_its_own_deferred_run(demo, video, method):
         suffix = template.suffix(tok, q)
         full_ids = build_prompt(demo.processor, video, q).inputs["input_ids"][0].tolist()
         assert full_ids[prefix.seen:] == suffix  # the prompt is token for token the one a separate run builds
-        generation, prompt = answer(demo.model, prefix, suffix, max_new_tokens=NEW)
-        assert prompt.inputs["input_ids"][0].tolist() == full_ids
+        generation = answer(demo.model, prefix, suffix, max_new_tokens=NEW)
         assert generation.tokens == expected[q], (method, q)
         assert generation.device_bytes_after_prefill == prefix.device_bytes
     assert len({tuple(v) for v in expected.values()}) > 1 or method in ("hybridkv", "rcr")  # not one constant answer
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.1])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_questions_decoded_together_equal_one_by_one(demo, video, method, budget):
+    """-Q with --batch-size: one prefix, its questions decoded together (suffixes of different
+    lengths, fed on the device while others already generate) give the tokens of one by one."""
+    if method == "full" and budget != 1.0:
+        pytest.skip("full keeps the whole cache")
+    tok = demo.processor.tokenizer
+    p = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
+    template = QuestionTemplate.of(tok, p, TEMPLATE_QUESTION)
+    prefix = compress_prefix(demo.model, p, make_policy(method, budget=budget, **needed(method)), template)
+    suffixes = [template.suffix(tok, q) for q in [*QUESTIONS, "Is there a circle? Answer yes or no."]]
+    assert len({len(s) for s in suffixes}) > 1
+    alone = [g.tokens for g in answer_all(demo.model, prefix, suffixes, NEW)]
+    together = answer_all(demo.model, prefix, suffixes, NEW, Limits(batch_size=3))
+    assert [g.tokens for g in together] == alone, (method, budget)
+    assert all(len(g.tokens) == NEW for g in together)
 
 
 def test_the_snapshot_is_not_touched_by_answering(demo, video):
@@ -59,7 +78,7 @@ def test_the_snapshot_is_not_touched_by_answering(demo, video):
     prefix = compress_prefix(demo.model, p, make_policy("hybridkv", budget=0.2), template)
     stores = [kv for kv in prefix.state[0]]
     before = [kv.device_bytes() for kv in stores]
-    generation, _ = answer(demo.model, prefix, template.suffix(tok, QUESTIONS[0]), max_new_tokens=NEW)
+    generation = answer(demo.model, prefix, template.suffix(tok, QUESTIONS[0]), max_new_tokens=NEW)
     assert [kv.device_bytes() for kv in stores] == before
     assert generation.cache.device_bytes() > sum(before)  # the copy holds the question and answer tokens
     assert all(a is not b for a, b in zip(stores, [layer.kv for layer in generation.cache.layers]))
@@ -75,7 +94,7 @@ def test_text_context_prefix(demo):
     for q in QUESTIONS[:2]:
         ref = generate(demo.model, build_text_prompt(tok, context, q), make_policy("snapkv", budget=0.3),
                        max_new_tokens=NEW, defer_question=True).tokens
-        assert answer(demo.model, prefix, template.suffix(tok, q), max_new_tokens=NEW)[0].tokens == ref
+        assert answer(demo.model, prefix, template.suffix(tok, q), max_new_tokens=NEW).tokens == ref
 
 
 # --- the command line ------------------------------------------------------------------------------
@@ -139,6 +158,17 @@ def test_cli_questions_resume_per_question(clip, tmp_path, capsys):
                     *FAST]) == 0
     assert len(lines(out.read_text())) == 2
     assert "skipping 1 input" in capsys.readouterr().err
+
+
+def test_cli_questions_with_batch_size_answer_as_one_by_one(clip, capsys):
+    """-Q with --batch-size: the questions of one compressed input decode together, same answers."""
+    argv = ["ask", str(clip), *(a for q in QUESTIONS for a in ("-Q", q)), "--jsonl", *FAST]
+    assert cli.run(argv) == 0
+    alone = {r["question"]: r["answer"] for r in lines(capsys.readouterr().out)}
+    assert cli.run([*argv, "--batch-size", "3"]) == 0
+    records = lines(capsys.readouterr().out)
+    assert {r["question"]: r["answer"] for r in records} == alone and len(records) == 3
+    assert max(r["batch"]["size_max"] for r in records) == 3
 
 
 def test_cli_a_failing_question_is_its_own_error_record(clip, tmp_path, capsys):

@@ -21,6 +21,7 @@ from PIL import Image
 from rich.console import Console
 
 from hybridkv_cli import cli, session
+from hybridkv_cli.engine import jobs as engine_decode
 from hybridkv_cli.batch import run_batch
 from hybridkv_cli.errors import ContextLengthError, MediaError, UsageError
 from hybridkv_cli.inputs import Item, plan_inputs
@@ -266,13 +267,13 @@ def test_bad_inputs_each_get_one_record(demo, tmp_path):
 def test_unexpected_error_is_recorded_and_the_run_goes_on(demo, clip, monkeypatch):
     calls = []
 
-    def flaky(self, prepared, policy, **kw):
+    def flaky(self, item, question, **kw):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("boom\nsecond line")
-        return {"input": {"label": prepared.media.label}}
+        return {"input": {"label": item.key}}
 
-    monkeypatch.setattr(Session, "run", flaky)
+    monkeypatch.setattr(Session, "answer", flaky)
     summary, lines, err = batch([Item((str(clip),)), Item((str(clip),))], Session(OPTS, loaded=demo))
     assert lines[0] == {"input": str(clip), "error": {"type": "RuntimeError", "message": "boom second line"}}
     assert lines[1] == {"input": {"label": str(clip)}}
@@ -298,7 +299,7 @@ def test_model_that_cannot_load_stops_the_run(clip, tmp_path, monkeypatch, capsy
 
 
 def test_out_of_memory_is_a_clear_error_and_the_run_goes_on(demo, clip, monkeypatch):
-    real_generate = session.generate
+    real_prefill = engine_decode.prefill
     failures = [
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of "
                                "139.8 GiB of which 1.2 GiB is free.\nOf the allocated memory ..."),
@@ -309,9 +310,9 @@ def test_out_of_memory_is_a_clear_error_and_the_run_goes_on(demo, clip, monkeypa
     def generate(*a, **kw):
         if failures:
             raise failures.pop(0)
-        return real_generate(*a, **kw)
+        return real_prefill(*a, **kw)
 
-    monkeypatch.setattr(session, "generate", generate)
+    monkeypatch.setattr(engine_decode, "prefill", generate)
     summary, lines, err = batch([Item((str(clip),))] * 3, Session(OPTS, loaded=demo))
     device, host, ok = lines
     assert device["error"]["type"] == host["error"]["type"] == "OutOfMemoryError"

@@ -10,7 +10,7 @@ from hybridkv_cli.compression.base import PrefillLayer
 from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_cli.compression.refresh import RateController, Refresher, RefreshOptions
 from hybridkv_cli.demo import build_demo
-from hybridkv_cli.generation import generate
+from hybridkv_cli.engine import generate
 from hybridkv_cli.prompt import build_text_prompt
 
 from test_methods import CONTEXT, QUESTION, tiny_text_model

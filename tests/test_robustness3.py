@@ -303,7 +303,7 @@ def test_head_scores_of_huge_json_numbers(tmp_path, nasty):
     ("99999999999999999999999TiB", "too large"), ("0", "expected a size"),
 ])
 def test_sizes(text, message):
-    from hybridkv_cli.batching import parse_size
+    from hybridkv_cli.option_values import parse_size
 
     with pytest.raises(UsageError, match=message) as e:
         parse_size(text, "--kv-memory")
@@ -375,25 +375,25 @@ def test_compress_to_a_device_is_refused(clip, nasty, tmp_path, capsys):
 
 
 def test_questions_are_written_as_they_are_answered_and_resume_per_question(clip, tmp_path, capsys):
-    from hybridkv_cli import session as session_module
+    from hybridkv_cli.engine.decoder import Decoder
 
     questions = tmp_path / "q.txt"
     questions.write_text("".join(f"Question number {i}?\n" for i in range(5)))
     out = tmp_path / "out.jsonl"
     seen = []
-    original = session_module.Session.ask_prefix
+    original = Decoder.start
 
-    def ask_prefix(self, prefix, question, **kw):  # what the file holds before each question is answered
+    def start(self, job):  # what the file holds before each question starts decoding
         seen.append(len(out.read_text().splitlines()) if out.exists() else 0)
-        if kw.get("index") == 3:
+        if job.tag == 3:
             raise KeyboardInterrupt  # a stop while the fourth question is in flight
-        return original(self, prefix, question, **kw)
+        return original(self, job)
 
-    session_module.Session.ask_prefix = ask_prefix
+    Decoder.start = start
     try:
         code = cli.run(["ask", str(clip), "--questions", str(questions), "-o", str(out), "-q", *FAST])
     finally:
-        session_module.Session.ask_prefix = original
+        Decoder.start = original
     assert code == 130 and seen == [0, 1, 2, 3]  # each record was in the file before the next question
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["question"] for r in records] == [f"Question number {i}?" for i in range(3)]

@@ -34,10 +34,11 @@ CASES = {
 SCRIPT = """
 import json, sys, torch
 from types import SimpleNamespace
-from hybridkv_cli.batching import Decoder, prefill
+from hybridkv_cli.engine import prompt_job
+from hybridkv_cli.engine.decoder import Decoder
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.demo import build_demo
-from hybridkv_cli.generation import generate
+from hybridkv_cli.engine import generate
 from hybridkv_cli.media import load_media
 from hybridkv_cli.prompt import build_prompt
 from hybridkv_kernels import RaggedKV, batched_decode_attention, ragged_decode_attention, segment_table
@@ -62,8 +63,7 @@ for name, (method, options) in cases.items():
     decoder = Decoder(demo.model, NEW)
     decoder.eos = set()  # every member decodes NEW tokens: the members stay the same
     for i, p in enumerate(prompts):
-        generation, rope = prefill(demo.model, p, policy)
-        decoder.join(i, SimpleNamespace(prompt=p), generation, rope)
+        decoder.join(decoder.start(prompt_job(demo.model, p, policy, tag=i)))
     members = list(decoder.members)
     step, watches, planned = decoder.replay.step, [], []
     decoder.replay.step = lambda: (watches.append(watched(step)), planned.append(decoder.cache.planned))
@@ -77,7 +77,7 @@ for name, (method, options) in cases.items():
         "syncs": sum(sum(w.syncs().values()) for w in watches),
         "launches": watches[-1].launches(),
         "ops": len(traces[-1]),
-        "batched": [m.generation.tokens for m in members],
+        "batched": [m.tokens for m in members],
         "single": single,
     }
 
@@ -140,7 +140,7 @@ def test_cuda_graph_replay_gives_the_eager_tokens(method, options):
     """On a GPU: ``--cuda-graphs`` captures the step and replays it, with the eager batch's tokens."""
     from types import SimpleNamespace
 
-    from hybridkv_cli.batching import BatchLimits, decode_batched, prefill
+    from hybridkv_cli.engine import Limits, decode, prompt_job
     from hybridkv_cli.compression import make_policy
     from hybridkv_cli.demo import build_demo
     from hybridkv_cli.media import load_media
@@ -152,10 +152,9 @@ def test_cuda_graph_replay_gives_the_eager_tokens(method, options):
     policy = make_policy(method, **options)
     runs = {}
     for graphs in (False, True):
-        jobs = [(i, lambda p=p: SimpleNamespace(prompt=p)) for i, p in enumerate(prompts)]
-        done = sorted(decode_batched(lambda: demo.model, jobs, lambda job: prefill(demo.model, job.prompt, policy),
-                                     max_new_tokens=8, limits=BatchLimits(batch_size=2, cuda_graphs=graphs)),
-                      key=lambda o: o.tag)
+        jobs = [(i, lambda i=i, p=p: prompt_job(demo.model, p, policy, tag=i)) for i, p in enumerate(prompts)]
+        done = sorted(decode(lambda: demo.model, jobs, max_new_tokens=8, limits=Limits(batch_size=2, cuda_graphs=graphs)),
+                      key=lambda o: o.job.tag)
         runs[graphs] = [(o.generation.tokens, o.batch["graph_replayed_steps"]) for o in done]
     assert [t for t, _ in runs[True]] == [t for t, _ in runs[False]]
     assert all(n == 0 for _, n in runs[False])

@@ -195,6 +195,12 @@ class PolicyCache(AttendingCache):
         """Generated rows written to every layer's store so far."""
         return self.layers[0].kv.store.n_gen
 
+    @property
+    def room(self) -> int:
+        """Generated rows allocated and not yet written (the same in every layer)."""
+        store = self.layers[0].kv.store
+        return store.gen_k.shape[1] - store.n_gen
+
 
 class BatchLayer(CacheLayerMixin):
     """Layer ``index`` of a batch: the members' own layers, appended to and attended together."""
@@ -299,6 +305,16 @@ class BatchCache(AttendingCache):
         at = torch.tensor(index, dtype=torch.long, device=self.counts.device)
         self.counts, self.rows = self.counts.index_select(0, at), self.rows.index_select(0, at)
         self._replan()
+
+    def grow(self, rows: int) -> bool:
+        """``rows`` more generated rows for every member whose allocated rows are all written
+        (they move: the launch tables are built again); whether any grew."""
+        full = [cache for cache in self.members if cache.room == 0]
+        for cache in full:
+            cache.reserve(rows)
+        if full:
+            self._replan()
+        return bool(full)
 
     def _replan(self) -> None:
         for layer in self.layers:

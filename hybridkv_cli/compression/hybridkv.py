@@ -10,7 +10,7 @@ import torch
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.allocate import LayerPlan, plan_layer
 from hybridkv_cli.compression.base import Compressed, LayerKV, PrefillLayer, check_choice
-from hybridkv_cli.compression.budget import budget_entries, fit_window
+from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.classify import classify_static
 from hybridkv_cli.compression.landmarks import LANDMARKS
 from hybridkv_cli.compression.refresh import (
@@ -125,8 +125,8 @@ class HybridKV(RefreshPolicy):
         super().__post_init__()
         check_choice("landmark", self.landmark, LANDMARKS)
 
-    def chunk_for(self, length: int) -> int:
-        """The chunk size at a ``length``-token prompt. With 2-bit keys every token is ranked on
+    def chunk_for(self, budget: Budget) -> int:
+        """The chunk size for a layer's ``budget``. With 2-bit keys every token is ranked on
         its own, so single tokens are retrieved (the text dev splits: 20 of 26 rows at 1 token,
         19 at 2). Chunk landmarks (mean, min/max) take fine chunks when a dynamic head can hold
         few: with one 16-token chunk a head retrieves one place of the prompt (the video dev
@@ -136,47 +136,44 @@ class HybridKV(RefreshPolicy):
             return self.chunk_size
         if self.landmark == "keys":
             return 1
-        avg = self.budget * length
-        room = self.share * avg - fit_window(self.window, avg)
+        room = self.share * budget.per_head - budget.window(self.window)
         return 16 if room >= 2 * 16 else 8
 
-    def _overhead(self, layer: PrefillLayer, static: torch.Tensor, window: int, chunk: int) -> int:
+    def _overhead(self, layer: PrefillLayer, budget: Budget, static: torch.Tensor, refreshed: bool, chunk: int) -> int:
         """Device bytes of landmarks, detectors and indices (upper bounds), paid from the budget."""
-        n, dim = layer.length, layer.keys.shape[-1]
-        avg = self.budget * n
+        n, dim, avg = layer.length, layer.keys.shape[-1], budget.per_head
         n_stat = int(static.sum())
         n_dyn = layer.num_heads - n_stat
-        num_chunks = max(0, n - window) // chunk
+        num_chunks = max(0, n - budget.window(self.window)) // chunk
         out = DynamicHeads.device_bytes_for(n_dyn, math.ceil(avg / chunk), chunk, num_chunks,
                                             dim, self.landmark) if n_dyn else 0
-        if self.refresh != "none" and n_stat:
+        if refreshed and n_stat:
             out += Refresher.device_bytes_for(n_stat, math.ceil(avg), n, dim, RefreshOptions().rank)
         return out
 
-    def _plan(self, layer: PrefillLayer, pooled: torch.Tensor, static: torch.Tensor, refreshed: bool, chunk: int):
+    def _plan(self, layer: PrefillLayer, budget: Budget, pooled: torch.Tensor, static: torch.Tensor, refreshed: bool,
+              chunk: int):
         """The layer's allocation and window after paying for side structures."""
-        n = layer.length
-        if self.budget >= 1:  # everything stays: nothing to retrieve, nothing to pay for
-            target, window = n * layer.num_heads, min(self.window, n)
-        else:
-            overhead = self._overhead(layer, static, fit_window(self.window, self.budget * n), chunk)
-            target = budget_entries(self.budget, layer, overhead)
-            window = fit_window(self.window, target / layer.num_heads)
+        target = budget.entries(self._overhead(layer, budget, static, refreshed, chunk))
+        window = budget.window(self.window, target / layer.num_heads)
         plan = plan_layer(pooled, static, target=target, window=window, share=self.share,
                           chunk=chunk, alpha=self.alpha, adaptive=not refreshed)
         return plan, window
 
     def compress(self, layer: PrefillLayer) -> Compressed:
         n = layer.length
+        budget = Budget.of(self.budget, layer)
         attn, pooled = window_scores(layer.window_query(min(self.window, n)), layer.keys, scale=layer.scale)
         static, sparsity = classify_static(attn, self.theta, self.sparsity_topk, self.sink_aware)
-        refresh_on = self.refresh != "none" and self.budget < 1
-        chunk = self.chunk_for(n)
-        plan, window = self._plan(layer, pooled, static, refresh_on, chunk)
+        if budget.full:  # every head keeps the whole prompt on the device: nothing to retrieve or refresh
+            static = torch.ones_like(static)
+        refresh_on = self.refresh != "none" and not budget.full
+        chunk = self.chunk_for(budget)
+        plan, window = self._plan(layer, budget, pooled, static, refresh_on, chunk)
         fallback = bool((~static).any()) and plan.chunks == 0
         if fallback:  # the budget cannot pay for one retrieval chunk: prune every head once
             static = torch.ones_like(static)
-            plan, window = self._plan(layer, pooled, static, refresh_on, chunk)
+            plan, window = self._plan(layer, budget, pooled, static, refresh_on, chunk)
 
         dynamic = ~static
         num_chunks = max(0, n - window) // chunk
@@ -242,7 +239,7 @@ class HybridKV(RefreshPolicy):
             "theta": self.theta,
             "p": self.sparsity_topk,
             "r": self.share,
-            "chunk_size": layers[0].chunk if layers else self.chunk_for(0),
+            "chunk_size": layers[0].chunk if layers else self.chunk_size,
             "window": [r.window for r in layers],
             "retrieval_fallback_layers": sum(r.fallback for r in layers),
             "landmark": self.landmark,

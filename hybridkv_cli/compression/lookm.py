@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
-from hybridkv_cli.compression.scoring import uniform_counts
+from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.selection import keep_top_tiered
 from hybridkv_cli.compression.store import RaggedStore
 
@@ -111,12 +111,12 @@ class LookM(Policy):
 
     def keep(self, layer: PrefillLayer) -> torch.Tensor:
         """Entries each head keeps before merging, BoolTensor [H_kv, N]."""
-        counts = uniform_counts(self.budget, layer)
-        recent = int(counts[0]) // 2
+        budget = Budget.of(self.budget, layer)
+        recent = budget.head_entries // 2
         score = cumulative_attention(layer.query, layer.keys, layer.scale)
         tier = (~layer.visual).float()  # text before visual
         tier[layer.length - recent:] = 2.0  # the recent half first
-        return keep_top_tiered(score, tier, counts)
+        return keep_top_tiered(score, tier, budget.counts())
 
     def compress(self, layer: PrefillLayer) -> Compressed:
         keys, values = pivot_merge(layer.keys, layer.values, self.keep(layer))

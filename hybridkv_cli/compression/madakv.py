@@ -28,6 +28,7 @@ import torch
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
+from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.scoring import proportional_split, snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
 
@@ -95,8 +96,8 @@ class MadaKV(Policy):
         attn, pooled, window = window_attention(layer, self.window)
         visual = layer.visual
         text_share = attn[:, ~visual].sum(dim=1)
-        budget = round(self.budget * layer.length * layer.num_heads)
-        plan = plan_modalities(text_share, visual, budget, carry, last=layer.index == layer.num_layers - 1)
+        last = layer.index == layer.num_layers - 1
+        plan = plan_modalities(text_share, visual, Budget.of(self.budget, layer).pool, carry, last=last)
         layer.run["madakv_carry"] = plan.carry_out
         keep = snap_keep(pooled, window, plan.text, allowed=~visual)
         keep |= snap_keep(pooled, window, plan.visual, allowed=visual)

@@ -5,7 +5,7 @@ store, beside per-page min/max key metadata. At each decode step and for each KV
 gets an upper bound of its best attention logit, ``sum_d max(q_d·min_d, q_d·max_d)`` (max over the
 GQA group); the head reads the top pages that fit its budget ``round(b·N)``, always with the last
 (possibly partial) page, plus the generated tokens. ``device_bytes`` counts the full KV and the
-metadata.
+metadata (none at b = 1, where every entry is read).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, LayerKV, Policy, PrefillLayer
+from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.landmarks import page_bounds
-from hybridkv_cli.compression.scoring import head_entries
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes
 from hybridkv_kernels import RaggedKV
 
@@ -94,10 +94,13 @@ class Quest(Policy):
 
     def compress(self, layer: PrefillLayer) -> Compressed:
         n, page = layer.length, self.page_size
-        selectable = (n - 1) // page  # every page but the last (possibly partial) one
+        budget = Budget.of(self.budget, layer)
+        # Every page but the last (possibly partial) one; at b = 1 every entry is read, so none
+        # is selected and no metadata is kept.
+        selectable = 0 if budget.full else (n - 1) // page
         keys = layer.keys[:, : selectable * page].unflatten(1, (selectable, page))
         last = n - selectable * page
-        pages = min(selectable, max(0, head_entries(self.budget, n) - last) // page)
+        pages = min(selectable, max(0, budget.head_entries - last) // page)
         keep = torch.ones(layer.num_heads, n, dtype=torch.bool, device=layer.keys.device)
         kv = QuestLayerKV(
             RaggedStore.build(layer.keys, layer.values, keep),

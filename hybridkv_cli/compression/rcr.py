@@ -15,7 +15,7 @@ import torch
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, PrefillLayer
-from hybridkv_cli.compression.budget import budget_entries, fit_window
+from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.hybridkv import HybridLayerKV
 from hybridkv_cli.compression.refresh import (
     RateController, Refresher, RefreshOptions, RefreshPolicy, refresh_summary, split_slots,
@@ -46,17 +46,17 @@ class RCR(RefreshPolicy):
 
     def compress(self, layer: PrefillLayer) -> Compressed:
         n, heads = layer.length, layer.num_heads
+        budget = Budget.of(self.budget, layer)
         _, pooled, _ = window_attention(layer, self.window)
         options = RefreshOptions.of(self)
-        overhead = 0
-        if self.refresh != "none" and self.budget < 1:
-            overhead = Refresher.device_bytes_for(heads, math.ceil(self.budget * n), n, layer.keys.shape[-1],
-                                                  options.rank)
-        per_head = budget_entries(self.budget, layer, overhead) // heads
-        window = min(self.window, n) if self.budget >= 1 else fit_window(self.window, per_head)
+        refresh_on = self.refresh != "none" and not budget.full
+        overhead = Refresher.device_bytes_for(heads, math.ceil(budget.per_head), n, layer.keys.shape[-1],
+                                              options.rank) if refresh_on else 0
+        per_head = budget.entries(overhead) // heads
+        window = budget.window(self.window, per_head)
         slots, span = per_head - window, n - window
-        counts = torch.full((heads,), per_head, dtype=torch.long, device=layer.keys.device)
-        if self.refresh == "none" or not 0 < slots < span:  # nothing to refresh: one-shot selection
+        counts = budget.counts(per_head)
+        if not refresh_on or not 0 < slots < span:  # nothing to refresh: one-shot selection
             store = RaggedStore.build(layer.keys, layer.values, snap_keep(pooled, window, counts))
             return Compressed(HybridLayerKV(store, None), (window, per_head, None))
         fixed, moving = split_slots(pooled[:, :span].topk(slots, dim=1).indices, options)

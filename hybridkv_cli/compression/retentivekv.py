@@ -30,7 +30,7 @@ import torch
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, LayerKV, Policy, PrefillLayer
-from hybridkv_cli.compression.budget import budget_entries, fit_window
+from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.scoring import snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
 from hybridkv_kernels import chunk_gather
@@ -119,17 +119,17 @@ class RetentiveKV(Policy):
 
     def compress(self, layer: PrefillLayer) -> Compressed:
         n, heads = layer.length, layer.num_heads
+        budget = Budget.of(self.budget, layer)
         attn, pooled, _ = window_attention(layer, self.window)
         # Indices paid from the budget: state rows (at most a head's entries), slot base, resident.
-        overhead = 8 * heads * (math.ceil(self.budget * n) + 2)
-        per_head = n if self.budget >= 1 else budget_entries(self.budget, layer, overhead) // heads
-        window = min(self.window, n) if per_head >= n else fit_window(self.window, per_head)
-        if per_head >= n or per_head <= window:  # nothing to fold, or no room for a state
-            counts = torch.full((heads,), min(per_head, n), dtype=torch.long, device=layer.keys.device)
+        per_head = budget.entries(8 * heads * (math.ceil(budget.per_head) + 2)) // heads
+        window = budget.window(self.window, per_head)
+        if per_head >= n or per_head <= window:  # nothing to fold (b = 1), or no room for a state
+            counts = budget.counts(per_head)
             store = RaggedStore.build(layer.keys, layer.values, snap_keep(pooled, window, counts))
             return Compressed(RetentiveLayerKV(store), {"kept": int(counts[0]), "states": 0, "group": 0})
         kept, states, group = plan_groups(n, per_head, window)
-        counts = torch.full((heads,), window + kept, dtype=torch.long, device=layer.keys.device)
+        counts = budget.counts(window + kept)
         keep = snap_keep(pooled, window, counts)
         evicted = (~keep).nonzero()[:, 1].view(heads, -1)  # the same count per head, position order
         size = group or math.ceil(evicted.shape[1] / states)

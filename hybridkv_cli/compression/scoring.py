@@ -18,15 +18,11 @@ from hybridkv_kernels import window_scores
 def head_entries(budget: float, length: int) -> int:
     """Prompt entries one head keeps under a uniform budget: ``round(b·N)`` within ``[0, N]``.
 
-    The layer then holds ``H·round(b·N)`` entries, within ``H/2`` of ``b·N·H``.
+    The layer then holds ``H·round(b·N)`` entries, within ``H/2`` of ``b·N·H``. Methods ask it
+    through :attr:`~hybridkv_cli.compression.budget.Budget.head_entries`; a bare fraction and
+    length are what the benchmarks' own policies have.
     """
     return max(0, min(length, round(budget * length)))
-
-
-def uniform_counts(budget: float, layer: PrefillLayer) -> torch.Tensor:
-    """``head_entries`` for every KV head of ``layer``, LongTensor [H_kv]."""
-    entries = head_entries(budget, layer.length)
-    return torch.full((layer.num_heads,), entries, dtype=torch.long, device=layer.keys.device)
 
 
 def proportional_split(total: int, weights: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
-from hybridkv_cli.compression.scoring import snap_keep, uniform_counts, window_attention
+from hybridkv_cli.compression.budget import Budget
+from hybridkv_cli.compression.scoring import snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
 
 
@@ -24,5 +25,5 @@ class SnapKV(Policy):
 
     def compress(self, layer: PrefillLayer) -> Compressed:
         _, pooled, window = window_attention(layer, self.window)
-        keep = snap_keep(pooled, window, uniform_counts(self.budget, layer))
+        keep = snap_keep(pooled, window, Budget.of(self.budget, layer).counts())
         return Compressed(RaggedStore.build(layer.keys, layer.values, keep))

@@ -18,6 +18,7 @@ import torch
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
+from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.scoring import proportional_split, snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
 from hybridkv_cli.errors import UsageError
@@ -67,19 +68,16 @@ def visual_scores(attn: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
     return attn[:, visual].sum(dim=1)
 
 
-def head_budgets(scores: torch.Tensor, budget: float, length: int, min_share: float) -> torch.Tensor:
-    """SparseMM allocation of one layer's ``round(b·N·H)`` entries.
+def head_budgets(scores: torch.Tensor, budget: Budget, min_share: float) -> torch.Tensor:
+    """SparseMM allocation of one layer's ``round(b·N·H)`` entries (``budget.pool``).
 
     Every head gets ``min = min_share·b·N`` (rounded down), and the remainder is distributed
     proportionally to the normalised scores: ``cap = min + score·remain``. No head exceeds N; what
     a head cannot hold goes to the others (so at ``b = 1`` every head keeps everything).
     """
-    heads = scores.numel()
-    avg = budget * length
-    floor = min(length, int(min_share * avg))
-    total = round(avg * heads)
-    room = torch.full((heads,), length - floor, dtype=torch.long, device=scores.device)
-    return floor + proportional_split(total - heads * floor, scores, room)
+    floor = min(budget.length, int(min_share * budget.per_head))
+    room = torch.full((budget.heads,), budget.length - floor, dtype=torch.long, device=scores.device)
+    return floor + proportional_split(budget.pool - budget.heads * floor, scores, room)
 
 
 @register("sparsemm")
@@ -124,7 +122,7 @@ class SparseMM(Policy):
     def compress(self, layer: PrefillLayer) -> Compressed:
         attn, pooled, window = window_attention(layer, self.window)
         scores = self._layer_scores(layer, attn)
-        counts = head_budgets(scores, self.budget, layer.length, self.min_share)
+        counts = head_budgets(scores, Budget.of(self.budget, layer), self.min_share)
         store = RaggedStore.build(layer.keys, layer.values, snap_keep(pooled, window, counts))
         return Compressed(store, (scores.tolist(), counts.tolist()))
 

@@ -8,7 +8,7 @@ import torch
 
 from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
-from hybridkv_cli.compression.scoring import head_entries
+from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.store import RaggedStore
 
 
@@ -30,7 +30,7 @@ class StreamingLLM(Policy):
 
     def compress(self, layer: PrefillLayer) -> Compressed:
         n = layer.length
-        entries = head_entries(self.budget, n)
+        entries = Budget.of(self.budget, layer).head_entries
         sinks = min(self.sinks, entries)
         recent = entries - sinks
         keep = torch.zeros(layer.num_heads, n, dtype=torch.bool, device=layer.keys.device)

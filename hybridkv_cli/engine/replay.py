@@ -1,6 +1,6 @@
 """A batch's decode step replayed as a CUDA graph.
 
-A step of a :class:`~hybridkv_cli.batching.Decoder` whose members are all
+A step of a :class:`~hybridkv_cli.engine.decoder.Decoder` whose members are all
 :attr:`~hybridkv_cli.compression.cache.PolicyCache.replayable` reads and writes only tensors that
 stay where they are while the members do not change: the tokens fed and their positions, the
 generated-row counts (on the device), the stores with their rows allocated up front, and the

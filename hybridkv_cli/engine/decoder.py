@@ -1,0 +1,216 @@
+"""The one decode loop: every generation's tokens after its prefix, one batch step at a time.
+
+A member joins with a job (:class:`~hybridkv_cli.engine.jobs.Job`): the cache of its prefix
+(the prefix's own, or a copy) and its suffix, the prompt tokens after the prefix (a question
+read after compression, or nothing). A batch step feeds every member's next token through the
+model at once (``[B, 1]`` ids, each at its own position); each layer's attention reads all the
+members' stores in one launch (:class:`~hybridkv_cli.compression.cache.BatchCache`). A member
+still in its suffix is fed its next suffix token -- chosen on the device from a table of the
+members' suffixes, so the step reads nothing back for it -- and the others the token the model's
+own logits processors and greedy choice give. A member that finishes (the model's end of
+sequence, or ``max_new_tokens``) leaves at once and its store goes with it.
+
+A batch of one is a plain question; the tokens do not depend on the batch (tested for every
+method).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridkv_cli.compression.cache import BatchCache, PolicyCache, policy_attention
+from hybridkv_cli.compression.store import GEN_BLOCK
+from hybridkv_cli.engine.measure import Generation, Meter, now
+from hybridkv_cli.engine.prefix import rope_owner
+from hybridkv_cli.engine.replay import StepReplay
+
+
+@dataclass(eq=False)  # members are told apart by identity
+class Member:
+    """One generation in the batch: its job, its cache and meter, its tokens so far."""
+
+    job: Any
+    cache: PolicyCache
+    meter: Meter
+    processors: Any  # the model's logits processors (an empty list for most models)
+    ids: torch.Tensor | None  # [1, L] every token fed so far, kept only for processors to read
+    pending: list[int]  # suffix tokens still to feed after the one fed now
+    in_suffix: bool  # the token fed now is a suffix token (its output is not an answer token)
+    bytes: int  # device KV, measured when it joined and when its generated rows grow
+    joined: int  # the batch step it joined at
+    tokens: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # members in each of its steps
+    kv_peak: int = 0  # most device KV of the batch during its steps
+    replayed: int = 0  # its steps replayed as a CUDA graph
+
+    def generation(self) -> Generation:
+        prefix = self.job.prefix
+        return self.meter.finish(self.tokens, self.cache, prefix.device_bytes, prefix.seen)
+
+
+class Decoder:
+    """The batch being decoded (see the module docstring). Its per-step inputs live on the
+    device as batch tensors (the tokens to feed and their positions) updated in place, so a
+    step's device work (:meth:`_device_step`) reads and writes the same tensors every step until
+    members join or leave; with ``cuda_graphs`` it is replayed as a CUDA graph."""
+
+    def __init__(self, model, max_new_tokens: int, cuda_graphs: bool = False, allocate_all: bool = False):
+        self.model = model
+        self.allocate_all = allocate_all  # every row a member will write, when it starts (else block by block)
+        self.device = model.device
+        self.max_new_tokens = max_new_tokens
+        self.replay = StepReplay(self._device_step, cuda_graphs)
+        # the kernels are the device's default either way: --cuda-graphs only replays them
+        self.cache = BatchCache(model.config.get_text_config().num_hidden_layers, self.device)
+        self.members: list[Member] = []
+        self.rows = 4 if rope_owner(model) is not None else 1  # mRoPE: the text position, then 3 rotary ones
+        self.feed = torch.empty(0, 1, dtype=torch.long, device=self.device)  # [B, 1] next tokens
+        self.position = torch.empty(self.rows, 0, 1, dtype=torch.long, device=self.device)  # [R, B, 1]
+        self.logits = None  # [B, V] fp32: the step's output
+        self.script = None  # (tokens [B, W], lengths [B], cursor [B]) of the suffixes still to feed
+        self.config, _ = model._prepare_generation_config(None, max_new_tokens=max_new_tokens, do_sample=False)
+        eos = self.config.eos_token_id
+        self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        self.steps = 0
+
+    def finished(self, tokens: list[int]) -> bool:
+        return len(tokens) >= self.max_new_tokens or (bool(tokens) and tokens[-1] in self.eos)
+
+    def start(self, job) -> Member:
+        """``job``'s member (its prefix prefilled now if it has none yet), its first token chosen
+        when its suffix is empty (it joins the batch with :meth:`join` unless that token already
+        finished it)."""
+        if job.prefix is None:
+            job.prefix = job.prefill()
+        prefix, suffix = job.prefix, list(job.suffix)
+        cache, meter = prefix.take(self.device)
+        # every token fed from now on, or (as a store grows by itself) the first block of them
+        cache.reserve(len(suffix) + self.max_new_tokens - 1 if self.allocate_all else GEN_BLOCK)
+        ids = torch.cat([prefix.tokens["input_ids"].to(self.device),
+                         torch.tensor([suffix], dtype=torch.long, device=self.device)], dim=1)
+        processors = self.model._get_logits_processor(
+            generation_config=self.config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
+            device=self.device, model_kwargs={})
+        member = Member(job, cache, meter, processors, None, suffix[1:], bool(suffix), cache.device_bytes(),
+                        self.steps)
+        if suffix:
+            member.ids = ids[:, :prefix.seen + 1] if processors else None
+            return member
+        if prefix.logits is None:
+            raise RuntimeError("a prefix read from a file needs a question to decode")
+        logits = prefix.logits.to(self.device)
+        first = int((processors(ids, logits) if processors else logits).argmax(dim=-1))
+        member.tokens.append(first)
+        meter.token()
+        member.ids = torch.cat([ids, ids.new_tensor([[first]])], dim=1) if processors else None
+        return member
+
+    def join(self, member: Member) -> None:
+        """Add a started member to the batch: it decodes from the next step on."""
+        seen = member.cache.get_seq_length()  # the position of the token fed next
+        rope = member.job.prefix.rope_deltas
+        delta = int(rope.flatten()[0]) if rope is not None else 0
+        token = member.job.suffix[0] if member.in_suffix else member.tokens[-1]
+        position = torch.tensor([seen] + [seen + delta] * (self.rows - 1), device=self.device).view(self.rows, 1, 1)
+        self.members.append(member)
+        self.cache.join(member.cache)
+        self.feed = torch.cat([self.feed, torch.tensor([[token]], device=self.device)])
+        self.position = torch.cat([self.position, position], dim=1)
+        self._changed()
+
+    def device_bytes(self) -> int:
+        return sum(m.bytes for m in self.members)
+
+    def _changed(self) -> None:
+        self.logits = None
+        self.replay.reset()
+        scripts = [m.pending for m in self.members]
+        width = max(map(len, scripts), default=0)
+        if not width:
+            self.script = None
+            return
+        table = torch.zeros(len(scripts), width, dtype=torch.long)
+        for b, tokens in enumerate(scripts):
+            table[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        lengths = torch.tensor(list(map(len, scripts)))
+        self.script = (table.to(self.device), lengths.to(self.device),
+                       torch.zeros(len(scripts), dtype=torch.long, device=self.device))
+
+    def _device_step(self) -> None:
+        """The step's device work: append and attend every member's fed token, the logits into
+        :attr:`logits`. Only tensors that stay put are read and written (see :class:`StepReplay`)."""
+        self.cache.begin_step()
+        out = self.model(input_ids=self.feed, position_ids=self.position if self.rows > 1 else self.position[0],
+                         cache_position=self.position[0, 0], cache=self.cache, use_cache=True)
+        if self.logits is None:
+            self.logits = torch.empty(out.logits.shape[0], out.logits.shape[-1], dtype=torch.float32,
+                                      device=out.logits.device)
+        self.logits.copy_(out.logits[:, -1])
+
+    def _next_feed(self, logits: torch.Tensor) -> None:
+        """The tokens fed next, in place: each member's next suffix token, else its greedy choice."""
+        chosen = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
+        if self.script is not None:
+            table, lengths, cursor = self.script
+            scripted = table.gather(1, cursor.clamp(max=table.shape[1] - 1).unsqueeze(1))
+            chosen = torch.where((cursor < lengths).unsqueeze(1), scripted, chosen)
+            cursor.add_(1)
+        self.feed.copy_(chosen)
+
+    def step(self) -> list[Member]:
+        """One token for every member; returns (and drops) the members that finished."""
+        members = self.members
+        if not self.allocate_all and self.cache.grow(GEN_BLOCK):
+            self.replay.reset()
+            for m in members:
+                m.bytes = m.cache.device_bytes()
+        for cache in self.cache.members:
+            cache.advance()  # the host's count of the token fed now (the device keeps its own)
+        start = now(self.device)
+        replays = self.replay.replays
+        with torch.inference_mode(), policy_attention(self.model):
+            self.replay(self.cache.planned)
+            logits = self.logits
+            if any(m.processors for m in members):
+                logits = torch.cat([m.processors(m.ids, logits[b:b + 1]) if m.processors else logits[b:b + 1]
+                                    for b, m in enumerate(members)])
+            self._next_feed(logits)
+            self.position.add_(1)
+        tokens = self.feed.flatten().tolist()  # the step's one read on the host: who has finished
+        at = now(self.device)
+        self.steps += 1
+        kv = self.device_bytes()
+        done = []
+        for b, (m, token) in enumerate(zip(members, tokens)):
+            m.sizes.append(len(members))
+            m.kv_peak = max(m.kv_peak, kv)
+            m.replayed += self.replay.replays - replays
+            if m.ids is not None:
+                m.ids = torch.cat([m.ids, self.feed[b:b + 1]], dim=1)
+            if m.in_suffix and m.pending:
+                m.pending.pop(0)  # the step fed a suffix token: the next one is fed now
+                continue
+            m.in_suffix = False
+            m.tokens.append(token)
+            m.meter.token(at, at - start)
+            if self.finished(m.tokens):
+                done.append(m)
+        self.leave(*done)
+        return done
+
+    def leave(self, *members: Member) -> None:
+        """Drop ``members`` from the batch (their caches go with them once their records are made)."""
+        if not members:
+            return
+        keep = [b for b, m in enumerate(self.members) if m not in members]
+        self.members[:] = [self.members[b] for b in keep]
+        self.cache.keep(keep)
+        index = torch.tensor(keep, dtype=torch.long, device=self.feed.device)
+        self.feed = self.feed.index_select(0, index)
+        self.position = self.position.index_select(1, index)
+        self._changed()
+        for m in members:
+            m.ids = None

@@ -1,0 +1,218 @@
+"""``decode(load_model, jobs, limits) -> Iterator[Outcome]``: the second half of every generation.
+
+A :class:`Job` is a prefix (:mod:`~hybridkv_cli.engine.prefix`) and its suffix: the prompt
+tokens after the prefix (a question read after compression, or nothing). Every mode is a way of
+calling :func:`~hybridkv_cli.engine.prefix.prefill` and :func:`decode`: a plain question is one
+job with the whole prompt as its prefix and an empty suffix; ``--defer-question`` cuts the
+prefix at the end of the media; ``-Q`` and ``.hkv`` inputs are one shared prefix with a job per
+question; batching is more than one job at a time. Jobs decode together in one
+:class:`~hybridkv_cli.engine.decoder.Decoder` as :class:`Limits` allow, and each job's
+:class:`Outcome` is yielded as it finishes.
+
+Room (:class:`Limits`): at most ``batch_size`` members, and with ``kv_memory`` a device-KV cap.
+Under a cap a member's device KV is measured when it starts, with its rows for every token it
+will be fed allocated then (so it cannot grow while it decodes): the members' sum never
+exceeds the cap. Without one, generated rows are allocated 16 at a time, as they are needed.
+Before a job is prefilled its KV is predicted from the bytes per prompt token of the members so
+far; a job that turns out not to fit waits, measured, for that much room, and a job over the cap
+on its own is an error outcome.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from hybridkv_cli.engine.decoder import Decoder
+from hybridkv_cli.engine.measure import Generation
+from hybridkv_cli.engine.prefix import Prefix, prefill
+from hybridkv_cli.errors import OutOfMemoryError
+from hybridkv_cli.report import human_bytes
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How many jobs decode together: ``batch_size`` members at most (None: 1, or under
+    ``kv_memory`` as many as that many bytes of device KV hold) and ``cuda_graphs``: replay the
+    decode steps as CUDA graphs (:mod:`~hybridkv_cli.engine.replay`)."""
+
+    batch_size: int | None = None
+    kv_memory: int | None = None
+    cuda_graphs: bool = False
+
+    @property
+    def most(self) -> int | None:
+        """The most members at a time (None: no count limit)."""
+        return self.batch_size if self.batch_size is not None else None if self.kv_memory is not None else 1
+
+    @property
+    def batched(self) -> bool:
+        """More than one job may decode at a time, or the steps are replayed: records say how."""
+        return self.most != 1 or self.kv_memory is not None or self.cuda_graphs
+
+
+@dataclass
+class Job:
+    """One generation to decode: its prefix -- ready, or built by ``prefill()`` when the batch
+    has room for it -- and its ``suffix`` tokens. ``length``: its prompt tokens (prefix and
+    suffix), to predict its KV before it is prefilled. ``tag`` and ``about``: whatever the caller
+    needs back (``about`` is None when making the job failed)."""
+
+    tag: Any
+    suffix: list[int]
+    prefix: Prefix | None = None
+    prefill: Callable[[], Prefix] | None = None
+    length: int = 0
+    about: Any = None
+
+
+@dataclass
+class Outcome:
+    """One job done: its generation (or the error that stopped it) and how it was batched."""
+
+    job: Job
+    generation: Generation | None = None
+    error: BaseException | None = None
+    batch: dict | None = None
+
+
+def batch_info(limits: Limits, joined: int, sizes: list[int], kv_peak: int, replayed: int = 0) -> dict:
+    """A record's ``batch``: when the job joined, the batch sizes of its steps, the most device
+    KV of the batch meanwhile, its steps replayed as a CUDA graph, and the run's limits."""
+    return {
+        "joined_step": joined,
+        "size_max": max(sizes, default=1),
+        "size_mean": sum(sizes) / len(sizes) if sizes else 1.0,
+        "kv_device_bytes_peak": kv_peak,
+        "graph_replayed_steps": replayed,
+        "graph_warning": graph_warning(limits, len(sizes), replayed),
+        "batch_size": limits.batch_size,
+        "kv_memory": limits.kv_memory,
+        "cuda_graphs": limits.cuda_graphs,
+    }
+
+
+def graph_warning(limits: Limits, steps: int, replayed: int) -> str | None:
+    """What the record warns of ``--cuda-graphs`` when it replayed none of a job's ``steps``
+    (the first step of a set of members runs eagerly and the second is captured, so a job
+    decoding 3 steps or more with the same members replays at least one)."""
+    if not limits.cuda_graphs or replayed or steps < 3:
+        return None
+    why = "no CUDA device" if not torch.cuda.is_available() else "a member's step is not replayable or the members changed"
+    return f"--cuda-graphs replayed none of its {steps} steps ({why})"
+
+
+def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[], Job]]], *, max_new_tokens: int,
+           limits: Limits = Limits(), on_step: Callable[[], None] | None = None) -> Iterator[Outcome]:
+    """Decode ``jobs`` as ``limits`` allow, yielding each job's :class:`Outcome` as it finishes.
+
+    ``load_model()``: the model, called once the first job is made (a bad first file fails
+    before a long load). ``jobs``: ``(tag, make)`` pairs read as room frees up;
+    ``make()`` builds the :class:`Job` (loading media, building its prompt), and its errors
+    become an outcome of ``Job(tag, [])``. ``on_step``: called before every batch step (a stop
+    signal raised there ends the run after the outcomes already yielded). A step that fails
+    (out of memory) ends its members with that error; the jobs after them go on.
+    """
+    decoder = None
+    pending = iter(jobs)
+    waiting: list = []  # (job, measured bytes or None): made, not yet admitted
+    per_token = 0.0  # most device bytes per prompt token of any member so far
+    exhausted = False
+    cap = limits.kv_memory
+
+    def full() -> bool:  # no room for another member, whatever its size
+        members = decoder.members if decoder is not None else ()
+        return bool(members) and limits.most is not None and len(members) >= limits.most
+
+    def room_for(job: Job, measured: int | None) -> bool:
+        if decoder is None or not decoder.members:
+            return True
+        if full():
+            return False
+        if cap is None:
+            return True
+        need = measured if measured is not None else per_token * job.length
+        return decoder.device_bytes() + need <= cap
+
+    while True:
+        while True:  # admit while there is room
+            if not waiting and not exhausted:
+                if full():  # a job is made only when it could join (its errors then come in order)
+                    break
+                try:
+                    tag, make = next(pending)
+                except StopIteration:
+                    exhausted = True
+                    continue
+                try:
+                    job = make()
+                except Exception as e:
+                    yield Outcome(Job(tag, []), error=e)
+                    continue
+                waiting.append((job, None))
+            if not waiting or not room_for(*waiting[0]):
+                break
+            job, _ = waiting.pop(0)
+            try:
+                if decoder is None:
+                    decoder = Decoder(load_model(), max_new_tokens, limits.cuda_graphs,
+                                      allocate_all=cap is not None)
+                member = decoder.start(job)
+            except Exception as e:
+                yield Outcome(job, error=e)
+                continue
+            if decoder.finished(member.tokens):  # done at its first token: it never joins
+                yield Outcome(job, member.generation(), batch=batch_info(limits, decoder.steps, [], member.bytes))
+                continue
+            decoder.join(member)
+            per_token = max(per_token, member.bytes / max(job.prefix.seen + len(job.suffix), 1))
+            if cap is not None and decoder.device_bytes() > cap:
+                decoder.leave(member)
+                if not decoder.members:
+                    yield Outcome(job, error=OutOfMemoryError(
+                        f"its KV cache needs {human_bytes(member.bytes)} on the device, more than --kv-memory "
+                        f"{human_bytes(cap)}"))
+                else:  # measured now: wait for that much room, then prefill again
+                    if not job.prefix.shared:
+                        job.prefix = None
+                    waiting.insert(0, (job, member.bytes))
+                del member
+                if decoder.members:
+                    break
+        if decoder is None or not decoder.members:
+            if exhausted and not waiting:
+                return
+            continue
+        if on_step is not None:
+            on_step()
+        try:
+            done = decoder.step()
+        except Exception as e:  # (a stop signal is a KeyboardInterrupt: it ends the run)
+            failed = list(decoder.members)
+            decoder.leave(*failed)
+            for m in failed:
+                yield Outcome(m.job, error=e)
+            continue
+        for m in done:
+            yield Outcome(m.job, m.generation(), batch=batch_info(limits, m.joined, m.sizes, m.kv_peak or m.bytes,
+                                                                  m.replayed))
+
+
+def prompt_job(model, prompt, policy, defer_question: bool = False, *, tag: Any = None, about: Any = None) -> Job:
+    """The job of one prompt, prefilled through ``policy`` when it is admitted: up to the end of
+    the prompt, or with ``defer_question`` of its media (the question and the template tail are
+    then its suffix, read through the compressed cache)."""
+    upto = prompt.question_start if defer_question else prompt.length
+    return Job(tag, prompt.inputs["input_ids"][0, upto:].tolist(), length=prompt.length, about=about,
+               prefill=lambda: prefill(model, prompt, policy, upto))
+
+
+def generate(model, prompt, policy, max_new_tokens: int = 128, defer_question: bool = False) -> Generation:
+    """One prompt greedy-decoded through ``policy``'s compressed cache (:func:`prompt_job`, alone)."""
+    job = prompt_job(model, prompt, policy, defer_question)
+    outcome, = decode(lambda: model, [(None, lambda: job)], max_new_tokens=max_new_tokens)
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.generation

@@ -1,0 +1,127 @@
+"""``prefill(model, prompt, policy, upto) -> Prefix``: the first half of every generation.
+
+The model runs over the prompt's first ``upto`` tokens (all of it for a plain question; up to
+the end of the media when the question is read after compression) and the policy compresses
+each layer as its attention finishes, so the peak is one layer of full KV beside the compressed
+layers. The :class:`Prefix` is what is left: the compressed cache, the positions (the model's
+mRoPE offset), the next-token logits, and the measurements of the prefill.
+
+A prefix is decoded from by :func:`hybridkv_cli.engine.jobs.decode`. An unshared prefix (a
+plain question) hands its own cache to the one job that decodes it; a ``shared`` one (``-Q``,
+``.hkv`` files) hands each job an independent copy, so nothing of one question reaches the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv_cli.compression import Policy
+from hybridkv_cli.compression.cache import PolicyCache, policy_attention
+from hybridkv_cli.engine.measure import Meter, now
+from hybridkv_cli.graph import clone
+from hybridkv_cli.prompt import Prompt, QuestionTemplate
+
+
+def rope_owner(model):
+    """The module holding Qwen2-VL-style ``rope_deltas`` (None: a model without mRoPE state)."""
+    for module in (model, getattr(model, "model", None)):
+        if module is not None and "rope_deltas" in vars(module):
+            return module
+    return None
+
+
+def per_token(inputs: dict) -> dict:
+    """The per-token tensors of ``inputs`` (ids, attention mask, token types), not the pixels."""
+    shape = inputs["input_ids"].shape
+    return {k: v for k, v in inputs.items() if torch.is_tensor(v) and v.shape == shape and not v.is_floating_point()}
+
+
+@dataclass(eq=False)
+class Prefix:
+    """A prompt's first ``seen`` tokens, prefilled and compressed (see the module docstring)."""
+
+    policy: Policy
+    cache: PolicyCache | None  # None once an unshared prefix's job has taken it
+    seen: int
+    visual: torch.Tensor  # BoolTensor [seen]: roles of the prefix tokens
+    tokens: dict  # per-token tensors [1, seen] of the prefix (ids, attention mask, token types)
+    rope_deltas: torch.Tensor | None
+    logits: torch.Tensor | None = None  # [1, V] fp32 after the last prefix token (None: read from a file)
+    shared: bool = False
+    template: QuestionTemplate | None = None  # the tokens around a question asked after the prefix
+    meter: Meter | None = None  # started at prefill: an unshared prefix's first token is timed from it
+    prefill_s: float = 0.0  # vision encoder + prefill + compression, wall clock
+    compress_seconds: float = 0.0
+    prefill_peak_bytes: int = 0
+    device_bytes: int = 0
+    host_bytes: int = 0
+    info: dict = field(default_factory=dict)  # what a record's "input" says about the media
+    role: str = "visual"  # the prefix's bulk tokens: "visual" (media) or "context" (a text prompt)
+
+    @property
+    def state(self) -> tuple:
+        """``(layers, reports, run)``: each layer's ``LayerKV``, the policy's report of each
+        layer, and the per-generation dict the layers share (what a ``.hkv`` file saves)."""
+        cache = self.cache
+        return [layer.kv for layer in cache.layers], cache.reports, cache.run
+
+    @classmethod
+    def cache_of(cls, policy: Policy, state: tuple, seen: int, visual: torch.Tensor, device, *,
+                 prefill_peak_bytes: int = 0, compress_seconds: float = 0.0) -> PolicyCache:
+        """A cache holding ``state`` (see :attr:`state`) after ``seen`` tokens, with the
+        measurements of the prefill that made it."""
+        layers, reports, run = state
+        cache = PolicyCache(policy, len(layers), visual)
+        cache.prefill_peak_bytes, cache.compress_seconds = prefill_peak_bytes, compress_seconds
+        for layer, kv in zip(cache.layers, layers):
+            layer.kv, layer.seen, layer.device, layer.is_initialized = kv, seen, device, True
+        cache.reports, cache.run = reports, run
+        return cache
+
+    def take(self, device: torch.device) -> tuple[PolicyCache, Meter]:
+        """The cache a job decodes through, and the meter its generation is timed by: this
+        prefix's own (unshared, once) or a fresh copy timed from now (shared)."""
+        if not self.shared:
+            if self.cache is None:
+                raise RuntimeError("an unshared prefix is decoded once")
+            cache, self.cache = self.cache, None
+            return cache, self.meter
+        meter = Meter(device)  # the copy counts as the job's own time
+        return self.cache_of(self.policy, clone(self.state), self.seen, self.visual, device,
+                             prefill_peak_bytes=self.prefill_peak_bytes, compress_seconds=self.compress_seconds), meter
+
+
+def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, shared: bool = False) -> Prefix:
+    """``prompt``'s first ``upto`` tokens (None: all) prefilled and compressed by ``policy``.
+
+    The model's own mRoPE state is put back as it was; the offset this prompt gives is kept in
+    the prefix. Only the last position's logits are computed (a 150k-word vocabulary over a
+    16k-token prompt would be gigabytes)."""
+    device = model.device
+    upto = prompt.length if upto is None else upto
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
+    tokens = per_token(inputs)
+    inputs = {k: v[:, :upto] if k in tokens else v for k, v in inputs.items()}
+    cache = PolicyCache(policy, model.config.get_text_config().num_hidden_layers, prompt.visual[:upto])
+    owner = rope_owner(model)
+    saved = owner.rope_deltas if owner is not None else None
+    meter = Meter(device)
+    try:
+        with torch.inference_mode(), policy_attention(model):
+            if owner is not None:
+                owner.rope_deltas = None  # computed afresh from this prompt
+            logits = model(**inputs, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        rope = owner.rope_deltas.clone() if owner is not None and owner.rope_deltas is not None else None
+    finally:
+        if owner is not None:
+            owner.rope_deltas = saved
+    prefill_s = now(device) - meter.start
+    return Prefix(
+        policy=policy, cache=cache, seen=upto, visual=prompt.visual[:upto].clone(),
+        tokens={k: v[:, :upto].clone() for k, v in tokens.items()}, rope_deltas=rope, logits=logits,
+        shared=shared, meter=meter, prefill_s=prefill_s, compress_seconds=cache.compress_seconds,
+        prefill_peak_bytes=cache.prefill_peak_bytes, device_bytes=cache.device_bytes(),
+        host_bytes=cache.host_bytes(), role=prompt.role,
+    )
