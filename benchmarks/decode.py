@@ -42,7 +42,7 @@ from hybridkv_cli.compression import cache as cache_module
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.engine import Meter, generate
 from hybridkv_cli.library import StepClock
-from hybridkv_cli.prompt import Prompt
+from hybridkv_cli.models.prompt import Prompt
 
 
 def build_model(layers: int, intermediate: int, vocab: int = 2048, device="cpu", dtype=torch.float32):
@@ -82,28 +82,24 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return name, options
 
 
-class SpanClock(cache_module.DeviceClock):
-    """The cache's attention clock, also keeping each span (one layer's decode attention) apart,
-    so that attention time can be summed per step. Its own events on CUDA (no sync, read at the
-    end), the host clock on the CPU; the cache's total (``attention_seconds``) is unchanged."""
+class Spans:
+    """Seconds of each decode attention call (one layer of one step): CUDA events on CUDA (no
+    sync, read at the end), the host clock on the CPU."""
 
     def __init__(self):
-        super().__init__()
-        self.spans: list = []  # seconds (CPU) or (start, end) CUDA events, one per span
+        self.spans: list = []  # seconds (CPU) or (start, end) CUDA events
 
     @contextlib.contextmanager
     def span(self, device: torch.device):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            with super().span(device):
-                yield
+            yield
             end.record()
             self.spans.append((start, end))
         else:
             start = time.perf_counter()
-            with super().span(device):
-                yield
+            yield
             self.spans.append(time.perf_counter() - start)
 
     def span_seconds(self) -> list[float]:
@@ -114,22 +110,27 @@ class SpanClock(cache_module.DeviceClock):
 
 
 @contextlib.contextmanager
-def span_clocks():
-    """Caches built inside the block time attention with a :class:`SpanClock` (yields them)."""
-    clocks: list[SpanClock] = []
+def attention_spans():
+    """Time every decode attention call inside the block (a compressed layer's: retrieval,
+    refresh and attention), whichever cache makes it -- a generation's own or the engine's batch
+    of one; yields the :class:`Spans`."""
+    spans = Spans()
+    attend = cache_module.attend
 
-    def make():
-        clocks.append(SpanClock())
-        return clocks[-1]
+    def timed(module, query, *args, **kwargs):
+        cache = kwargs.get(cache_module.CACHE_KWARG)
+        if cache is None or cache.layers[module.layer_idx].kv is None:  # prefill
+            return attend(module, query, *args, **kwargs)
+        with spans.span(query.device):
+            return attend(module, query, *args, **kwargs)
 
-    with mock.patch.object(cache_module, "DeviceClock", make):
-        yield clocks
+    with mock.patch.object(cache_module, "attend", timed):
+        yield spans
 
 
-def attention_per_step(clock: SpanClock | None, steps: int, layers: int) -> list[float] | None:
+def attention_per_step(spans: list[float], steps: int, layers: int) -> list[float] | None:
     """Decode attention seconds of each step: the spans (one per layer per decode step, in order)
     summed in groups of ``layers``. None where the spans do not divide into ``steps`` steps."""
-    spans = clock.span_seconds() if clock is not None else []
     if steps == 0 or len(spans) != steps * layers:
         print(f"  attention spans: {len(spans)}, expected {steps} steps x {layers} layers: no per-step p50",
               file=sys.stderr, flush=True)
@@ -147,13 +148,14 @@ def run(model, prompt: Prompt, spec: str, budget: float, new_tokens: int, warmup
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         warmup_s = time.perf_counter() - started
-    with span_clocks() as clocks:
+    with attention_spans() as timed:
         out = generate(model, prompt, policy, max_new_tokens=new_tokens)
+    spans = timed.span_seconds()
     cfg = model.config.get_text_config()
     full_prompt_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 128 * prompt.length * model.dtype.itemsize
     steps = len(out.step_s)
     heads = out.cache.summary()
-    attention_steps = attention_per_step(clocks[-1] if clocks else None, steps, cfg.num_hidden_layers)
+    attention_steps = attention_per_step(spans, steps, cfg.num_hidden_layers)
     timed_s = out.prefill_s + sum(out.step_s)
     return {
         "method": spec,
@@ -169,7 +171,7 @@ def run(model, prompt: Prompt, spec: str, budget: float, new_tokens: int, warmup
         "step_ms_mean": 1e3 * statistics.fmean(out.step_s[1:] or out.step_s),
         "step_ms_p50": 1e3 * statistics.median(out.step_s[1:] or out.step_s),
         # Attention of the first decode step includes cold retrieval; the generation's total is averaged.
-        "attention_ms_per_step": 1e3 * out.cache.attention_seconds / steps,
+        "attention_ms_per_step": 1e3 * sum(spans) / steps,
         "attention_ms_p50": None if attention_steps is None else 1e3 * statistics.median(attention_steps),
         "device_bytes_after_prefill": out.device_bytes_after_prefill,
         "device_ratio_vs_full_prompt": out.device_bytes_after_prefill / full_prompt_bytes,

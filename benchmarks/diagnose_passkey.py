@@ -20,13 +20,13 @@ from unittest import mock
 import torch
 
 from benchmarks.quality import task_rows
-from hybridkv_cli.answers import is_correct
 from hybridkv_cli.compression import hybridkv as hybridkv_module
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_cli.engine import generate
-from hybridkv_cli.models import load_model
-from hybridkv_cli.prompt import build_text_prompt
+from hybridkv_cli.models.registry import load_model
+from hybridkv_cli.models.prompt import build_text_prompt
+from hybridkv_cli.runs.answers import is_correct
 
 
 def key_positions(tokenizer, ids: list[int], key: str) -> list[int]:

@@ -32,11 +32,11 @@ import torch
 
 from benchmarks.passkey_bounds import StepOracle, StepTopKV
 from benchmarks.quality import task_rows
-from hybridkv_cli.answers import is_correct
 from hybridkv_cli.api import ask
 from hybridkv_cli.compression.base import Compressed, Policy
 from hybridkv_cli.compression.store import RaggedStore
-from hybridkv_cli.models import load_model
+from hybridkv_cli.models.registry import load_model
+from hybridkv_cli.runs.answers import is_correct
 
 
 def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from hybridkv_cli import hkv
-from hybridkv_cli.inputs import Item
-from hybridkv_cli.session import AskOptions, Session
+from hybridkv_cli.engine import hkv
+from hybridkv_cli.runs.inputs import Item
+from hybridkv_cli.runs.session import AskOptions, Session
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_media" / "shapes.mp4"
 QUESTIONS = ["What happens in the video?", "What colour is the square?", "How many shapes are there?",
@@ -52,7 +52,7 @@ def geometry_run(args, methods: list[str], n_questions: int) -> dict:
 
     from hybridkv_cli.compression import make_policy
     from hybridkv_cli.engine import Job, decode, generate, prefill
-    from hybridkv_cli.prompt import Prompt
+    from hybridkv_cli.models.prompt import Prompt
 
     vocab = 2048
     model = build_model(args.layers, 1024, vocab)

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 
 from hybridkv_cli.api import ask
-from hybridkv_cli.answers import is_correct
-from hybridkv_cli.bench import read_tasks
-from hybridkv_cli.models import load_model
+from hybridkv_cli.models.registry import load_model
+from hybridkv_cli.runs.answers import is_correct
+from hybridkv_cli.runs.bench import read_tasks
 
 VARIANTS = {  # name -> HybridKV options
     "default (θ=0.9, c=8)": {},

@@ -25,22 +25,22 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import hybridkv_kernels as hk
 import torch
 
-import hybridkv_kernels as hk
 from benchmarks.diagnose_passkey import key_positions
 from benchmarks.quality import task_rows
 from hybridkv_cli.api import ask
-from hybridkv_cli.answers import is_correct
 from hybridkv_cli.compression.base import Compressed, LayerKV, Policy
 from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_cli.compression.scoring import head_entries, window_attention
 from hybridkv_cli.compression.selection import keep_top_tiered
 from hybridkv_cli.compression.snapkv import SnapKV
 from hybridkv_cli.compression.store import RaggedStore
-from hybridkv_cli.fidelity import rouge_l
-from hybridkv_cli.models import load_model
-from hybridkv_cli.prompt import build_text_prompt
+from hybridkv_cli.models.registry import load_model
+from hybridkv_cli.models.prompt import build_text_prompt
+from hybridkv_cli.runs.answers import is_correct
+from hybridkv_cli.runs.fidelity import rouge_l
 
 
 @dataclass

@@ -24,11 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository root
 from benchmarks.decode import parse_method  # noqa: E402
 from hybridkv_cli.api import ask  # noqa: E402
-from hybridkv_cli.answers import is_correct  # noqa: E402
-from hybridkv_cli.bench import read_tasks  # noqa: E402
-from hybridkv_cli.fidelity import rouge_l  # noqa: E402
-from hybridkv_cli.models import load_model  # noqa: E402
-from hybridkv_cli.stats import bootstrap_ci, paired_diff_ci  # noqa: E402
+from hybridkv_cli.models.registry import load_model  # noqa: E402
+from hybridkv_cli.runs.answers import is_correct  # noqa: E402
+from hybridkv_cli.runs.bench import read_tasks  # noqa: E402
+from hybridkv_cli.runs.fidelity import rouge_l  # noqa: E402
+from hybridkv_cli.runs.stats import bootstrap_ci, paired_diff_ci  # noqa: E402
 
 # name -> (method, options). "paper" is HybridKV with the paper's settings and no refresh.
 VARIANTS = {

@@ -2,7 +2,7 @@
 
 Answering time only: the single process is timed after its model load (a fresh session each
 run, as each run's workers are fresh), the workers from the first
-input sent to the last record written (hybridkv_cli.distributed's ``timings``); the start-up (the
+input sent to the last record written (hybridkv_cli.runs.distributed's ``timings``); the start-up (the
 local Ray runtime and every worker's model load) is reported apart. The two sides take turns,
 ``--repeats`` times each; the best run of each counts. Two phases: each workers run starting its
 own local runtime (``--workers N``), then joining one started before that has settled (a running
@@ -28,10 +28,10 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from media_fixtures import make_video  # noqa: E402
 
-from hybridkv_cli.batch import run_batch  # noqa: E402
-from hybridkv_cli.distributed import run_distributed  # noqa: E402
-from hybridkv_cli.inputs import plan_inputs  # noqa: E402
-from hybridkv_cli.session import AskOptions, Session  # noqa: E402
+from hybridkv_cli.runs.batch import run_batch  # noqa: E402
+from hybridkv_cli.runs.distributed import run_distributed  # noqa: E402
+from hybridkv_cli.runs.inputs import plan_inputs  # noqa: E402
+from hybridkv_cli.runs.session import AskOptions, Session  # noqa: E402
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ the CLI's ``--help`` and error paths do not pay for torch and transformers.
 __all__ = ["ask", "compress", "load_media", "load_model"]
 
 _HOMES = {"ask": "hybridkv_cli.api", "compress": "hybridkv_cli.library", "load_media": "hybridkv_cli.media",
-          "load_model": "hybridkv_cli.models"}
+          "load_model": "hybridkv_cli.models.registry"}
 
 
 def __getattr__(name):

@@ -1,15 +1,15 @@
 """The library entry point: one question about one media input (or a text), answered and measured.
 
-``ask`` is a one-input :class:`~hybridkv_cli.session.Session` around a model the caller loaded:
+``ask`` is a one-input :class:`~hybridkv_cli.runs.session.Session` around a model the caller loaded:
 the same prompt building, context check, generation and record as ``hybridkv ask``.
 """
 
 from __future__ import annotations
 
 from hybridkv_cli.compression import Policy, make_policy
-from hybridkv_cli.loaded import LoadedModel
 from hybridkv_cli.media import MediaInput
-from hybridkv_cli.session import AskOptions, Session
+from hybridkv_cli.models.loaded import LoadedModel
+from hybridkv_cli.runs.session import AskOptions, Session
 
 
 def ask(
@@ -29,17 +29,17 @@ def ask(
     Parameters
     ----------
     loaded : LoadedModel
-        From :func:`hybridkv_cli.models.load_model`.
+        From :func:`hybridkv_cli.models.registry.load_model`.
     media : MediaInput or None
         From :func:`hybridkv_cli.media.load_media`; None for a text prompt about ``context``
         (whose tokens then take the role visual tokens have in a media prompt).
     method : str or Policy
         A registered method name or a ready policy.
     defer_question : bool
-        Compress the cache before the question is read (see :func:`hybridkv_cli.generation.generate`).
+        Compress the cache before the question is read (see :func:`hybridkv_cli.engine.jobs.prompt_job`).
     **options
         The method's parameters (``budget``, ``window``, ``theta``, ...); one the method does not
-        take raises :class:`~hybridkv_cli.errors.UsageError`.
+        take raises :class:`~hybridkv_cli.io.errors.UsageError`.
 
     Returns
     -------

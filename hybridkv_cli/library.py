@@ -21,11 +21,11 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from hybridkv_cli.compression import Policy, make_policy
-from hybridkv_cli.compression.cache import PolicyCache, policy_attention
-from hybridkv_cli.errors import UsageError
+from hybridkv_cli.compression.cache import PolicyCache, layer_count, policy_attention
 from hybridkv_cli.engine.measure import Generation, Meter
-from hybridkv_cli.loaded import LoadedModel
-from hybridkv_cli.record import measurements
+from hybridkv_cli.io.errors import UsageError
+from hybridkv_cli.models.loaded import LoadedModel
+from hybridkv_cli.runs.record import measurements
 
 __all__ = ["CompressionRun", "compress", "media_token_ids", "roles_from_ids"]
 
@@ -69,7 +69,7 @@ class CompressionRun:
                              "input_ids")
         n = input_ids.shape[-1]
         roles = roles_from_ids(input_ids, self.model.config) if self.roles is None else _as_roles(self.roles, n)
-        cache = PolicyCache(self.policy, self.model.config.get_text_config().num_hidden_layers, roles)
+        cache = PolicyCache(self.policy, layer_count(self.model), roles)
         self.generations.append(Generation(tokens=[], prefill_s=0.0, step_s=[], cache=cache,
                                            device_bytes_after_prefill=0, compressed=n))
         self._prompts.append(roles)
@@ -203,7 +203,7 @@ def compress(model, method: str | Policy = "hybridkv", budget: float | None = No
         context (give roles to mark a question the methods should favour).
     **options
         The method's parameters (``window``, ``theta``, ...); one it does not take raises
-        :class:`~hybridkv_cli.errors.UsageError`.
+        :class:`~hybridkv_cli.io.errors.UsageError`.
 
     Yields
     ------

@@ -3,7 +3,7 @@
     lmms-eval --model hybridkv --model_args pretrained=Qwen/Qwen2.5-VL-7B-Instruct,method=snapkv,budget=0.1 ...
 
 Each request is answered along the CLI's own line -- media loaded by hybridkv's media layer at
-the model's frame size, the prompt built by :func:`~hybridkv_cli.prompt.build_prompt`, greedy
+the model's frame size, the prompt built by :func:`~hybridkv_cli.models.prompt.build_prompt`, greedy
 generation through the method's compressed cache -- so an answer here is the answer ``hybridkv
 ask`` gives for the same files and question. Images lmms-eval hands over as PIL images are
 written to lossless PNGs first, so the CLI can be given the very same files.
@@ -31,11 +31,12 @@ from lmms_eval.api.registry import register_model
 from loguru import logger as eval_logger
 from PIL import Image
 
-from hybridkv_cli.errors import UsageError
+from hybridkv_cli.compression import MethodOptions
+from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.library import compress
-from hybridkv_cli.models import DEFAULT_MODEL
-from hybridkv_cli.prompt import question_ids
-from hybridkv_cli.session import AskOptions, Prepared, Session
+from hybridkv_cli.models.prompt import question_ids
+from hybridkv_cli.models.registry import DEFAULT_MODEL
+from hybridkv_cli.runs.session import AskOptions, Prepared, Session
 
 __all__ = ["HybridKV", "manifest", "sample_entry"]
 
@@ -65,7 +66,7 @@ def stop_at(answer: str, until) -> str:
 
 @register_model(MODEL_ID)
 class HybridKV(lmms):
-    """An lmms-eval model answering through a hybridkv :class:`~hybridkv_cli.session.Session`.
+    """An lmms-eval model answering through a hybridkv :class:`~hybridkv_cli.runs.session.Session`.
 
     Parameters (``--model_args``)
     -----------------------------
@@ -91,10 +92,10 @@ class HybridKV(lmms):
         if int(batch_size) != 1:  # compression runs one prompt at a time
             raise UsageError(f"the hybridkv model answers one request at a time (batch_size=1), got {batch_size}",
                              "batch_size")
+        given = MethodOptions.of({"budget": budget, **method_options})
         options = AskOptions(model=str(pretrained), device=str(device), dtype=str(dtype), method=str(method),
-                             method_options={"budget": budget, **method_options}, frames=int(frames), fps=fps,
-                             max_pixels=max_pixels, max_new_tokens=int(max_new_tokens),
-                             defer_question=bool(defer_question))
+                             method_options=given, frames=int(frames), fps=fps, max_pixels=max_pixels,
+                             max_new_tokens=int(max_new_tokens), defer_question=bool(defer_question))
         self.session = Session(options)  # refuses a bad method or option before the model loads
         self.loaded = self.session.model()
         self.kv_log = Path(kv_log) if kv_log else None

@@ -22,19 +22,17 @@ from .batched_retrieval import RetrievalPart, RetrievalTable, chunk_retrieve, re
 from .chunk_gather import chunk_gather, chunk_gather_torch, chunk_gather_triton, gather_plan
 from .chunk_topk import chunk_scores_torch, chunk_topk, chunk_topk_torch, chunk_topk_triton
 from .decode_attention import (
-    RaggedKV,
-    SegmentTable,
     batched_decode_attention,
     decode_split_heuristic,
     dense_decode_attention,
     ragged_decode_attention,
     ragged_decode_attention_torch,
     ragged_decode_attention_triton,
-    segment_table,
 )
 from .dispatch import BACKENDS, HAS_TRITON, cuda_path, emulating_cuda, resolve_backend, triton_interpreting
 from .quant_keys import pack_keys, quant_key_scores_torch, quant_key_topk, unpack_codes
 from .refresh_step import RefreshState, refresh_want
+from .segments import RaggedKV, SegmentTable, segment_table
 from .window_scores import window_scores, window_scores_torch
 
 __all__ = [

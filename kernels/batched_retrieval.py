@@ -6,8 +6,10 @@ and byte counter, each its own tensors. :func:`chunk_retrieve` does for every pa
 loaded into the head's ``n`` slots, hits kept), the parts' chunk counts, slot counts and chunk
 lengths all differing. The Triton path is four launches for all parts (scores, top-k, plan,
 copy), each kernel the single-sequence one reading its rows through a table of addresses
-(``TABLE`` mode; the scores from int8 mean keys or from 2-bit keys, one kind per pass); the
-torch path runs the parts one by one.
+(``TABLE`` mode; the scores from int8 mean keys or from 2-bit keys, one kind per pass). The
+torch path ranks and plans the parts of one geometry together (their heads side by side: one
+op for all of them, as a batch's cost on the CPU is mostly per op), then copies each part's
+missing chunks into its own store.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from .chunk_gather import chunk_gather
+from .chunk_gather import GatherTarget, chunk_gather, copy_assigned, gather_plan
 from .chunk_topk import chunk_topk, launch_topk
 from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
 from .quant_keys import launch_scores, quant_key_topk
@@ -97,14 +99,20 @@ def chunk_retrieve(queries: list[torch.Tensor], parts: list[RetrievalPart], back
     resident ids and byte counters.
     With Triton the parts go through the ``TABLE``-mode kernels (four launches for all of them),
     ``table`` (:func:`retrieval_table`) built earlier or now; a single part without a table takes
-    the single-sequence kernels.
+    the single-sequence kernels. The torch path takes the parts of one :func:`_geometry` together.
     """
     if not parts:
         return
-    if resolve_backend(backend, queries[0], parts[0].store_k) != "triton" or (
-            len(parts) == 1 and table is None):
-        for q, p in zip(queries, parts):
-            _one(q, p, backend)
+    resolved = resolve_backend(backend, queries[0], parts[0].store_k)
+    if resolved != "triton":
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(parts):
+            groups.setdefault(_geometry(p), []).append(i)
+        for index in groups.values():
+            _together([queries[i] for i in index], [parts[i] for i in index])
+        return
+    if len(parts) == 1 and table is None:
+        _together(queries, parts, resolved)
         return
     _launch(torch.cat(queries), parts[0], table or retrieval_table(parts))
 
@@ -113,12 +121,32 @@ def _two_bit(part: RetrievalPart) -> bool:
     return part.landmarks.dtype == torch.uint8
 
 
-def _one(q: torch.Tensor, p: RetrievalPart, backend: str) -> None:
-    if _two_bit(p):
-        want = quant_key_topk(q, p.landmarks, p.landmark_scale, p.host_k.shape[2], p.resident.shape[1], backend)
+def _geometry(p: RetrievalPart) -> tuple:
+    """What parts must share to be ranked and planned as one: every size but their head counts,
+    and the element types."""
+    return (p.landmarks.shape[1:], p.landmark_scale.shape[1:], p.host_k.shape[1:], p.resident.shape[1],
+            p.landmarks.dtype, p.landmark_scale.dtype, p.host_k.dtype, p.store_k.dtype)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _together(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: str = "torch") -> None:
+    """``parts`` of one geometry: the top chunks and the plan of all their heads at once (one op
+    each), then each part's copies; a single part takes ``backend``'s own gather."""
+    first = parts[0]
+    q, landmarks, scale = _cat(queries), _cat([p.landmarks for p in parts]), _cat([p.landmark_scale for p in parts])
+    chunks, chunk, n = first.host_k.shape[1], first.host_k.shape[2], first.resident.shape[1]
+    if _two_bit(first):
+        want = quant_key_topk(q, landmarks, scale, chunk, n, backend)
     else:
-        want = chunk_topk(q, p.landmarks, p.resident.shape[1], landmark_scale=p.landmark_scale, backend=backend)
-    chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want, backend, p.moved)
+        want = chunk_topk(q, landmarks, n, landmark_scale=scale, backend=backend)
+    if len(parts) == 1:
+        chunk_gather(first.host_k, first.host_v, first.store_k, first.store_v, first.slot_base, first.resident,
+                     want, backend, first.moved)
+        return
+    copy_assigned([GatherTarget(*p[2:]) for p in parts], gather_plan(_cat([p.resident for p in parts]), want, chunks))
 
 
 def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable) -> None:

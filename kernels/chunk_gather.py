@@ -22,6 +22,8 @@ one kernel (``gather_plan_kernel``) before the copy kernel.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .dispatch import load_triton_module, next_power_of_2, resolve_backend
@@ -29,6 +31,8 @@ from .dispatch import load_triton_module, next_power_of_2, resolve_backend
 __all__ = [
     "chunk_gather",
     "chunk_gather_torch",
+    "GatherTarget",
+    "copy_assigned",
     "chunk_gather_triton",
     "gather_plan",
 ]
@@ -101,50 +105,88 @@ def _side_stream(device: torch.device):
 
 
 def chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None):
-    """Torch path of :func:`chunk_gather` (the reference semantics; the CPU path).
-
-    Copies only the missing chunks: one host ``index_select`` per tensor, then on CUDA into a
-    pinned staging buffer and ``copy_(non_blocking=True)`` on a side stream, K's DMA running
-    while the CPU gathers V; the compute stream waits on an event before the ``index_copy_``
-    into the store, and the host does not wait for the copy.
-    """
+    """Torch path of :func:`chunk_gather` (the reference semantics; the CPU path): the plan
+    (:func:`gather_plan`), then :func:`copy_assigned`."""
     _check(host_k, host_v, store_k, store_v, slot_base, resident, want)
-    H, C, c, d = host_k.shape
-    dev = store_k.device
-    assign = gather_plan(resident, want, C)
+    if moved is None:
+        moved = torch.zeros((), dtype=torch.int64, device=store_k.device)
+    target = GatherTarget(host_k, host_v, store_k, store_v, slot_base, resident, moved)
+    copy_assigned([target], gather_plan(resident, want, host_k.shape[1]))
+    return moved
+
+
+class GatherTarget(NamedTuple):
+    """One sequence's dynamic heads as :func:`chunk_gather` takes them (``moved``: its byte counter)."""
+
+    host_k: torch.Tensor
+    host_v: torch.Tensor
+    store_k: torch.Tensor
+    store_v: torch.Tensor
+    slot_base: torch.Tensor
+    resident: torch.Tensor
+    moved: torch.Tensor
+
+
+def copy_assigned(targets: list[GatherTarget], assign: torch.Tensor) -> None:
+    """Copy the chunks of a plan (``assign``: :func:`gather_plan`'s for the targets' heads, target
+    after target; one geometry but the head count) into their slots.
+
+    What to copy is found for all targets at once (on the CPU a step's cost is mostly per op);
+    then each target's missing chunks move: one host ``index_select`` per tensor, then on CUDA
+    into a pinned staging buffer and ``copy_(non_blocking=True)`` on a side stream, K's DMA
+    running while the CPU gathers V; the compute stream waits on an event before the
+    ``index_copy_`` into the store, and the host does not wait for the copy.
+    """
+    first = targets[0]
+    _, C, c, d = first.host_k.shape
+    dev = first.store_k.device
+    heads = [t.resident.shape[0] for t in targets]
+    resident = first.resident if len(targets) == 1 else torch.cat([t.resident for t in targets])
     sel = assign >= 0
     rows, slots = sel.nonzero(as_tuple=True)  # the one host sync (on CUDA): the CPU must know what to copy
-    m = int(rows.numel())
-    if m:
-        ids = assign[rows, slots]
-        src_idx = (rows * C + ids).cpu()
-        base = slot_base.to(device=dev, dtype=torch.int64)[rows] + slots * c
-        dst = (base[:, None] + torch.arange(c, device=dev)).reshape(-1)  # [m * c] store rows
-        flat = [host_k.reshape(H * C, c, d), host_v.reshape(H * C, c, d)]
-        stores = [store_k, store_v]
-        if dev.type == "cuda":
-            main = torch.cuda.current_stream(dev)
-            side = _side_stream(dev)
-            bufs = []
-            for src, store in zip(flat, stores):
-                stage = torch.empty((m, c, d), dtype=src.dtype, pin_memory=True)
-                torch.index_select(src, 0, src_idx, out=stage)
-                with torch.cuda.stream(side):  # allocated in the side stream's pool
-                    buf = torch.empty((m, c, d), dtype=src.dtype, device=dev)
-                    buf.copy_(stage, non_blocking=True)
-                buf.record_stream(main)  # consumed on main: not reused before that finishes
-                bufs.append(buf)
-            main.wait_stream(side)
-            for buf, store in zip(bufs, stores):
-                store.index_copy_(0, dst, buf.view(m * c, d).to(store.dtype))
-        else:
-            for src, store in zip(flat, stores):
-                chunk = src.index_select(0, src_idx)
-                store.index_copy_(0, dst, chunk.view(m * c, d).to(device=dev, dtype=store.dtype))
-        resident.copy_(torch.where(sel, assign, resident))
-    if moved is None:
-        return torch.tensor(m * c * d * 2 * host_k.element_size(), device=dev)
-    return moved.add_(m * c * d * 2 * host_k.element_size())
+    src = rows * C + assign[rows, slots]  # row of the targets' host chunks, head after head
+    base = (first.slot_base if len(targets) == 1 else torch.cat([t.slot_base for t in targets]))
+    dst = base.to(device=dev, dtype=torch.int64)[rows] + slots * c
+    dst = (dst[:, None] + torch.arange(c, device=dev)).reshape(-1)  # [misses * c] store rows
+    starts = [0]
+    for h in heads:
+        starts.append(starts[-1] + h)
+    # each target's misses (rows ascend: nonzero is row-major)
+    cuts = [0, rows.numel()] if len(targets) == 1 else torch.searchsorted(
+        rows, torch.tensor(starts, device=rows.device)).tolist()
+    held = torch.where(sel, assign, resident).split(heads)
+    for t, h0, a, b, now in zip(targets, starts, cuts, cuts[1:], held):
+        if b > a:
+            _copy_chunks(t, (src[a:b] - h0 * C).cpu(), dst[a * c:b * c])
+            t.resident.copy_(now)
+            t.moved.add_((b - a) * c * d * 2 * t.host_k.element_size())
+
+
+def _copy_chunks(t: GatherTarget, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Host chunks ``src`` of ``t`` into its store rows ``dst``."""
+    H, C, c, d = t.host_k.shape
+    m = src.numel()
+    flat = [t.host_k.reshape(H * C, c, d), t.host_v.reshape(H * C, c, d)]
+    stores = [t.store_k, t.store_v]
+    dev = t.store_k.device
+    if dev.type != "cuda":
+        for host, store in zip(flat, stores):
+            store.index_copy_(0, dst, host.index_select(0, src).view(m * c, d).to(device=dev, dtype=store.dtype))
+        return
+    main = torch.cuda.current_stream(dev)
+    side = _side_stream(dev)
+    bufs = []
+    for host in flat:
+        stage = torch.empty((m, c, d), dtype=host.dtype, pin_memory=True)
+        torch.index_select(host, 0, src, out=stage)
+        with torch.cuda.stream(side):  # allocated in the side stream's pool
+            buf = torch.empty((m, c, d), dtype=host.dtype, device=dev)
+            buf.copy_(stage, non_blocking=True)
+        buf.record_stream(main)  # consumed on main: not reused before that finishes
+        bufs.append(buf)
+    main.wait_stream(side)
+    for buf, store in zip(bufs, stores):
+        store.index_copy_(0, dst, buf.view(m * c, d).to(store.dtype))
 
 
 def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None):

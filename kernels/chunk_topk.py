@@ -50,19 +50,20 @@ def chunk_scores_torch(q, landmarks, landmark_scale=None):
 
 
 def _topk_ids_from_scores(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Ids [H, min(k, C)] of the largest scores, ascending; ties -> lowest id."""
+    """Ids [H, min(k, C)] of the largest scores, ascending; ties -> lowest id.
+
+    Each score becomes a distinct int64 key that orders as (score, lower id first): its fp32
+    bits made monotone, times C, plus C - 1 - id. One ``topk`` of the keys is then exactly the
+    selection (no tie pass, no boolean indexing).
+    """
     H, C = scores.shape
     kk = min(int(k), C)
     if kk <= 0:
         return torch.empty(H, 0, dtype=torch.int64, device=scores.device)
-    scores = scores + 0.0  # -0.0 -> +0.0 (== already treats them equal; keep it explicit)
-    kth = scores.topk(kk, dim=1).values[:, -1:]  # [H, 1] the k-th largest value
-    gt = scores > kth
-    eq = scores == kth
-    need = kk - gt.sum(dim=1, keepdim=True)
-    sel = gt | (eq & (eq.cumsum(dim=1) <= need))  # exactly kk per row
-    ids = torch.arange(C, device=scores.device).expand(H, C)
-    return ids[sel].view(H, kk)  # boolean indexing keeps row-major order -> ascending
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 -> +0.0, equal scores tie
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long().mul_(C)  # negative floats: order reversed
+    keys += torch.arange(C - 1, -1, -1, device=scores.device)
+    return keys.topk(kk, dim=1, sorted=False).indices.sort(dim=1).values
 
 
 def chunk_topk_torch(q, landmarks, k, landmark_scale=None):

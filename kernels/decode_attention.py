@@ -1,7 +1,8 @@
 """Decode attention over the ragged per-head KV store (+ generated tokens).
 
 Three pieces, as in FlagAttention: the torch reference
-(:func:`ragged_decode_attention_torch`), the Triton launcher with its heuristics
+(:func:`ragged_decode_attention_torch`, in ``decode_attention_torch.py`` with the batch's CPU
+path), the Triton launcher with its heuristics
 (:func:`ragged_decode_attention_triton`; kernels in ``_decode_attention_triton.py``), and the
 public op (:func:`ragged_decode_attention`) that dispatches between them.
 
@@ -17,91 +18,24 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import NamedTuple
 
 import torch
 
+from .decode_attention_torch import batched_decode_attention_torch, check_ragged, ragged_decode_attention_torch
 from .dispatch import load_triton_module, next_power_of_2, resolve_backend, triton_interpreting
+from .segments import RaggedKV, SegmentTable, segment_table
 
 __all__ = [
-    "RaggedKV",
-    "SegmentTable",
     "batched_decode_attention",
     "dense_decode_attention",
     "ragged_decode_attention",
     "ragged_decode_attention_torch",
     "ragged_decode_attention_triton",
     "decode_split_heuristic",
-    "segment_table",
 ]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 128  # merge kernel loads all splits of a head in one block
-
-
-def _check(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen):
-    if q.dim() != 3:
-        raise ValueError(f"q must be [H_kv, G, d], got {tuple(q.shape)}")
-    H, _, d = q.shape
-    if keys.dim() != 2 or keys.shape != values.shape or keys.shape[1] != d:
-        raise ValueError(f"keys/values must both be [T, {d}], got {tuple(keys.shape)}, "
-                         f"{tuple(values.shape)}")
-    if offsets.shape != (H,) or lengths.shape != (H,):
-        raise ValueError(f"offsets/lengths must be [{H}], got {tuple(offsets.shape)}, "
-                         f"{tuple(lengths.shape)}")
-    if n_gen < 0:
-        raise ValueError(f"n_gen must be >= 0, got {n_gen}")
-    if n_gen > 0:
-        if gen_k is None or gen_v is None:
-            raise ValueError("n_gen > 0 needs gen_k and gen_v")
-        if gen_k.dim() != 3 or gen_k.shape[0] != H or gen_k.shape[2] != d \
-                or gen_v.shape != gen_k.shape or gen_k.shape[1] < n_gen:
-            raise ValueError(f"gen_k/gen_v must be [{H}, cap >= {n_gen}, {d}], got "
-                             f"{tuple(gen_k.shape)}, {tuple(gen_v.shape)}")
-
-
-# --------------------------------------------------------------------------- reference
-
-
-def ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None,
-                                  n_gen=0, scale=None):
-    """Torch reference of :func:`ragged_decode_attention` (also the CPU production path).
-
-    Softmax in fp32; the two matmuls run in the input dtype (fp32 accumulation inside the
-    BLAS) so no fp32 copy of the store is made. With bf16/fp16 inputs the scores are therefore
-    rounded to the input dtype before the softmax, as in Hugging Face's eager attention; the
-    Triton kernel keeps them in fp32 (the tests compare it with this function on fp32 copies).
-
-    It loops over KV heads (4 for Qwen2.5-VL-7B) on *views* of the store: the vectorised
-    alternative would gather every head's rows into a padded [H_kv, max_len, d] tensor, i.e.
-    copy the whole KV cache each step; the op is bandwidth-bound, so that copy would about
-    double its cost. It needs ``lengths``/``offsets`` on the host (one sync on CUDA).
-    """
-    _check(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen)
-    H, G, d = q.shape
-    scale = d ** -0.5 if scale is None else float(scale)
-    offs = offsets.tolist()
-    lens = lengths.tolist()
-    out = torch.zeros(H, G, d, dtype=torch.float32, device=q.device)
-    for h in range(H):
-        ks, vs = [], []
-        if lens[h] > 0:
-            ks.append(keys[offs[h]:offs[h] + lens[h]])
-            vs.append(values[offs[h]:offs[h] + lens[h]])
-        if n_gen > 0:
-            ks.append(gen_k[h, :n_gen])
-            vs.append(gen_v[h, :n_gen])
-        if not ks:
-            continue  # empty head -> zeros
-        qh = q[h].to(keys.dtype)
-        # scores of the parts side by side ([G, len] each, small), one softmax over both
-        s = torch.cat([(qh @ k.T).float() for k in ks], dim=-1).mul_(scale)
-        p = torch.softmax(s, dim=-1)
-        o, start = out[h], 0
-        for v in vs:
-            o += (p[:, start:start + v.shape[0]].to(v.dtype) @ v).float()
-            start += v.shape[0]
-    return out.to(q.dtype)
 
 
 # --------------------------------------------------------------------------- triton
@@ -160,7 +94,7 @@ def ragged_decode_attention_triton(q, keys, values, offsets, lengths, gen_k=None
 def _launch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None, n_gen=0, scale=None, *, max_length=None,
             num_splits=None, block_n=None):
     """:func:`ragged_decode_attention_triton` once the backend is resolved."""
-    _check(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen)
+    check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen)
     H, _, d = q.shape
 
     def _lastdim(t):  # kernels assume unit stride along d
@@ -233,108 +167,6 @@ def _run(q, keys, values, gen_k, gen_v, offsets, lengths, seg, n_gen, max_total,
     return out
 
 
-class RaggedKV(NamedTuple):
-    """One sequence's layer as a decode step reads it: the arguments of
-    :func:`ragged_decode_attention` after ``q`` (``max_length``: a host bound on ``lengths``)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    offsets: torch.Tensor
-    lengths: torch.Tensor
-    gen_k: torch.Tensor | None
-    gen_v: torch.Tensor | None
-    n_gen: int
-    max_length: int
-
-    @property
-    def num_heads(self) -> int:
-        return self.offsets.numel()
-
-
-def _rows(t: torch.Tensor, dtype) -> torch.Tensor:
-    """``t`` [..., d] in ``dtype`` with unit-stride rows of ``d`` and a 16-byte aligned start."""
-    t = t.to(dtype)
-    if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] or t.data_ptr() % 16:
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
-def _generated(gen: torch.Tensor, n_gen: int, dtype) -> torch.Tensor:
-    """``gen`` [H, cap, d] with every head's first row 16-byte aligned (a copy of its first
-    ``n_gen`` rows, padded, when the head stride does not keep them so)."""
-    gen = _rows(gen, dtype)
-    if gen.stride(0) * gen.element_size() % 16:
-        step = 16 // math.gcd(gen.shape[-1] * gen.element_size(), 16)  # rows per 16-byte multiple
-        cap = -(-n_gen // step) * step
-        padded = gen.new_zeros(gen.shape[0], cap, gen.shape[-1])
-        padded[:, :n_gen] = gen[:, :n_gen]
-        gen = padded
-    return gen
-
-
-class SegmentTable(NamedTuple):
-    """The ``SEG`` table of the stage-1 kernel for some stores, with what a launch needs beside it.
-
-    seg : [S, 5] int64 on the device: per segment (KV head), the addresses of its store's keys
-        and values, of its first generated key and value row, and its generated-row count (or,
-        ``counted``, the address of that count on the device).
-    offsets, lengths : [S] int64, the segments' rows in their stores.
-    max_total : a host bound on any segment's rows (prompt + generated).
-    alive : the tensors the addresses point into (kept alive with the table).
-    """
-
-    seg: torch.Tensor
-    offsets: torch.Tensor
-    lengths: torch.Tensor
-    max_total: int
-    counted: bool
-    alive: list
-
-
-def segment_table(stores: list[RaggedKV], counts: torch.Tensor | None = None) -> SegmentTable:
-    """The address table of ``stores`` for :func:`batched_decode_attention`.
-
-    Built on the host from tensor metadata only (no device read); on CUDA it travels in one
-    asynchronous copy from pinned memory. Every address is 16-byte aligned (the kernel's loads
-    are vectorised on that promise): a tensor that is not is copied.
-
-    counts : LongTensor [len(stores)] on the device, optional
-        Each store's generated-row count, read by the kernel at every launch: the table then
-        serves every later step as long as the stores' tensors stay where they are (their
-        generated rows allocated up front), with the split count fixed by the rows' capacity,
-        so the launches of one step repeat exactly in the next (a CUDA graph can replay them).
-        No tensor may need a copy then. None: each store's ``n_gen`` now, for this step only.
-    """
-    dtype = stores[0].keys.dtype
-    rows, alive = [], []
-    for i, s in enumerate(stores):
-        keys, values = _rows(s.keys, dtype), _rows(s.values, dtype)
-        gen_k = gen_v = None
-        rows_gen = s.n_gen if counts is None else s.gen_k.shape[1]
-        if rows_gen > 0:
-            gen_k, gen_v = _generated(s.gen_k, rows_gen, dtype), _generated(s.gen_v, rows_gen, dtype)
-        if counts is not None and any(a is not None and a is not b for a, b in
-                                      zip((keys, values, gen_k, gen_v), (s.keys, s.values, s.gen_k, s.gen_v))):
-            raise ValueError("a counted segment table reads the stores in place: they need unit-stride, "
-                             "16-byte aligned rows of one dtype")
-        alive += [keys, values, gen_k, gen_v]
-        size = keys.element_size()
-        count = int(s.n_gen) if counts is None else counts[i:].data_ptr()
-        for h in range(s.num_heads):
-            gk = keys.data_ptr() if gen_k is None else gen_k.data_ptr() + h * gen_k.stride(0) * size
-            gv = values.data_ptr() if gen_v is None else gen_v.data_ptr() + h * gen_v.stride(0) * size
-            rows.append((keys.data_ptr(), values.data_ptr(), gk, gv, count))
-    device = stores[0].keys.device
-    table = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
-    if counts is not None:
-        alive.append(counts)
-    max_total = max(s.max_length + (s.n_gen if counts is None else s.gen_k.shape[1]) for s in stores)
-    return SegmentTable(table, torch.cat([s.offsets for s in stores]), torch.cat([s.lengths for s in stores]),
-                        max_total, counts is not None, alive)
-
-
 def batched_decode_attention(q, stores: list[RaggedKV], scale=None, backend="auto", table: SegmentTable | None = None):
     """:func:`ragged_decode_attention` of several sequences' stores in one launch.
 
@@ -344,7 +176,8 @@ def batched_decode_attention(q, stores: list[RaggedKV], scale=None, backend="aut
         The decode queries of every store's KV heads, store after store (S = their heads).
     stores : list of RaggedKV
         Each sequence's own tensors (nothing is copied into one store): Triton reads them
-        through a per-segment address table; the torch path attends store by store.
+        through a per-segment address table; the torch path attends the stores of one shape
+        together (:func:`batched_decode_attention_torch`).
     table : SegmentTable, optional
         :func:`segment_table` of ``stores`` built earlier (a counted one serves many steps);
         None: built now.
@@ -359,10 +192,9 @@ def batched_decode_attention(q, stores: list[RaggedKV], scale=None, backend="aut
     if not stores:
         return q.new_empty(q.shape)
     if resolve_backend(backend, q, stores[0].keys) != "triton":
-        parts = torch.split(q, heads)
-        return torch.cat([ragged_decode_attention_torch(p, *s[:7], scale=scale) for p, s in zip(parts, stores)])
+        return batched_decode_attention_torch(q, stores, scale)
     for p, s in zip(torch.split(q, heads), stores):
-        _check(p, *s[:7])
+        check_ragged(p, *s[:7])
     table = table or segment_table(stores)
     keys = table.alive[0]
     dummy = keys.new_empty(1, 1, keys.shape[-1])

@@ -99,7 +99,7 @@ import json, pathlib, sys
 sys.path.insert(0, ".")
 from benchmarks.quality import task_rows
 from hybridkv_cli.api import ask
-from hybridkv_cli.models import load_model
+from hybridkv_cli.models.registry import load_model
 out = pathlib.Path(sys.argv[1])
 rows = [(t, r) for t, r in task_rows("benchmarks/tasks/text_dev.jsonl") if r.get("kind") in ("passkey", "multikey")][:6]
 result = {"rows": []}

@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import hybridkv_cli.compression.batch_cache as batch_mod  # noqa: E402
 import hybridkv_cli.compression.cache as cache_mod  # noqa: E402
 import hybridkv_cli.compression.hybridkv as hybrid_mod  # noqa: E402
+from hybridkv_cli.compression import make_policy  # noqa: E402
 from hybridkv_cli.engine import generate, prompt_job  # noqa: E402
 from hybridkv_cli.engine.decoder import Decoder  # noqa: E402
-from hybridkv_cli.compression import make_policy  # noqa: E402
-from hybridkv_cli.demo import build_demo_tokenizer  # noqa: E402
-from hybridkv_cli.prompt import build_text_prompt  # noqa: E402
+from hybridkv_cli.models.demo import build_demo_tokenizer  # noqa: E402
+from hybridkv_cli.models.prompt import build_text_prompt  # noqa: E402
 
 NEW = 8
 CONTEXT = " ".join(f"Line {i}: the {c} box is on shelf {i % 7}." for i, c in
@@ -61,7 +62,7 @@ def force_mix():
 
 def wrap_layer_steps(around):
     """Run every decode layer-step (append + attention) inside ``around(layer_step_fn)``."""
-    update_single, update_batch, attend = cache_mod.PolicyLayer.update, cache_mod.BatchLayer.update, cache_mod.attend
+    update_single, update_batch, attend = cache_mod.PolicyLayer.update, batch_mod.BatchLayer.update, cache_mod.attend
 
     def single(self, *args, **kwargs):
         if self.kv is None:
@@ -77,7 +78,7 @@ def wrap_layer_steps(around):
             return attend(module, *args, **kwargs)
         return around(lambda: attend(module, *args, **kwargs), "attend")
 
-    cache_mod.PolicyLayer.update, cache_mod.BatchLayer.update, cache_mod.attend = single, batch, attention
+    cache_mod.PolicyLayer.update, batch_mod.BatchLayer.update, cache_mod.attend = single, batch, attention
 
 
 PROMPTS = ((CONTEXT, "Which box is on shelf 3?"), (CONTEXT[: len(CONTEXT) * 2 // 3], "Which box is on shelf 5?"))

@@ -272,7 +272,7 @@ def count_tokens(rows: list[dict]) -> bool:
     """Add ``tokens`` (the context's SmolLM2 token count, no special tokens) to every row; False
     (rows unchanged) where the SmolLM2 tokenizer is not installed."""
     try:
-        from hybridkv_cli.models import load_model
+        from hybridkv_cli.models.registry import load_model
 
         tokenizer = load_model("smollm2", device="cpu").tokenizer
     except Exception as e:  # noqa: BLE001 - optional

@@ -17,7 +17,7 @@ SAMPLE = Path(__file__).resolve().parents[1] / "sample_media" / "shapes.mp4"
 
 @pytest.fixture(scope="module")
 def demo():
-    from hybridkv_cli.demo import build_demo
+    from hybridkv_cli.models.demo import build_demo
 
     return build_demo()
 
@@ -29,4 +29,4 @@ def video():
 
 @pytest.fixture(autouse=True)
 def cached_demo(demo, monkeypatch):
-    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: demo)
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", lambda name, **kw: demo)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from hybridkv_cli.engine import Job, Limits, decode, prefill
-from hybridkv_cli.prompt import QuestionTemplate
-from hybridkv_cli.session import TEMPLATE_QUESTION  # noqa: F401 - re-exported for the tests
+from hybridkv_cli.models.prompt import QuestionTemplate
+from hybridkv_cli.runs.session import TEMPLATE_QUESTION  # noqa: F401 - re-exported for the tests
 
 
 def compress_prefix(model, prompt, policy, template: QuestionTemplate):

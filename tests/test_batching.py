@@ -1,5 +1,6 @@
-"""Batched decoding (hybridkv_cli.batching): every input gets the tokens of its own single run,
-for every method, while members of different lengths join, finish at different steps and leave."""
+"""Batched decoding (the engine's one decode loop, hybridkv_cli.engine): every input gets the
+tokens of its own single run, for every method, while members of different lengths join, finish
+at different steps and leave."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from hybridkv_cli.engine import Limits, decode, prompt_job
-from hybridkv_cli.compression import METHODS, make_policy
-from hybridkv_cli.demo import build_demo
-from hybridkv_cli.engine import generate
-from hybridkv_cli.media import load_media
-from hybridkv_cli.prompt import build_prompt, build_text_prompt
 from method_options import needed
+
+from hybridkv_cli.compression import METHODS, make_policy
+from hybridkv_cli.engine import Limits, decode, generate, prompt_job
+from hybridkv_cli.media import load_media
+from hybridkv_cli.models.demo import build_demo
+from hybridkv_cli.models.prompt import build_prompt, build_text_prompt
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_media"
 NEW = 10
@@ -46,16 +46,22 @@ def batched(model, prompts, policy, limits=Limits(batch_size=8), max_new=NEW, de
     return {o.job.tag: o for o in decode(lambda: model, jobs, max_new_tokens=max_new, limits=limits)}
 
 
-@pytest.fixture
-def stops(vlm):
-    """End-of-sequence tokens that end the three prompts at different steps (random weights
-    never choose the model's own), set on the model's generation config for the test."""
+@pytest.fixture(scope="module")
+def stop_token(vlm) -> int:
+    """A token that ends the three prompts' full-cache runs at different steps (random weights
+    never choose the model's own end of sequence): worked out once for the module."""
     loaded, prompts = vlm
-    config = loaded.model.generation_config
-    saved = config.eos_token_id
     runs = [single(loaded.model, p, make_policy("full", budget=1.0)) for p in prompts]
-    config.eos_token_id = [next(t for t in runs[1][4:] if all(t not in r[:4] for r in runs))]
-    yield runs
+    return next(t for t in runs[1][4:] if all(t not in r[:4] for r in runs))
+
+
+@pytest.fixture
+def stops(vlm, stop_token):
+    """:func:`stop_token` as the model's end of sequence, for the test."""
+    config = vlm[0].model.generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = [stop_token]
+    yield
     config.eos_token_id = saved
 
 
@@ -178,7 +184,7 @@ def test_text_model_batched(text_model, method, budget):
 # --- through the command line ------------------------------------------------------------------
 @pytest.fixture
 def demo_loads(vlm, monkeypatch):
-    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: vlm[0])
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", lambda name, **kw: vlm[0])
 
 
 def ask_lines(capsys, *extra) -> tuple[int, list[dict], str]:

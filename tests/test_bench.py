@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from hybridkv_cli import cli
-from hybridkv_cli.answers import is_correct, normalise
-from hybridkv_cli.bench import aggregate, read_tasks
+from hybridkv_cli.runs.answers import is_correct, normalise
+from hybridkv_cli.runs.bench import aggregate, read_tasks
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "sample_media" / "images"
@@ -28,7 +28,7 @@ FAST = ["--model", "demo-random", "--methods", "hybridkv,snapkv", "--max-new-tok
 
 @pytest.fixture(scope="module")
 def demo():
-    from hybridkv_cli.demo import build_demo
+    from hybridkv_cli.models.demo import build_demo
 
     loaded = build_demo()
     loaded.name = "demo-random"
@@ -37,7 +37,7 @@ def demo():
 
 @pytest.fixture(autouse=True)
 def cached_demo(demo, monkeypatch):
-    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: demo)
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", lambda name, **kw: demo)
 
 
 def bench(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -75,7 +75,7 @@ def test_table_shows_the_intervals_uncut_when_piped():
 
     from rich.console import Console
 
-    from hybridkv_cli.bench_report import render_bench
+    from hybridkv_cli.io.bench_report import render_bench
 
     items = [{"method": "streamingllm", "budget": 0.05, "error": None, "correct": True, "fidelity": 0.5,
               "kv_ratio": 0.1, "ms_per_token": 1234.5, "h2d_bytes_per_step": 1.2e6}] * 4
@@ -93,7 +93,7 @@ def test_table_shows_the_intervals_uncut_when_piped():
 def media_run(tmp_path_factory, demo):
     out = tmp_path_factory.mktemp("bench")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("hybridkv_cli.models.load_model", lambda name, **kw: demo)
+        mp.setattr("hybridkv_cli.models.registry.load_model", lambda name, **kw: demo)
         code = cli.run(["bench", str(IMAGES / "red_circle.png"), str(IMAGES / "blue_square.jpg"), "Which shape?",
                         "--answer", "circle", "--budgets", "0.1,1.0", "--out", str(out), *FAST])
     return code, out
@@ -158,18 +158,20 @@ def test_bad_row_or_media_is_an_error_record(tmp_path, capsys):
 
 
 def test_failed_run_is_recorded_and_the_rest_goes_on(capsys, monkeypatch):
-    from hybridkv_cli.session import Session
+    from hybridkv_cli.engine import jobs
 
-    real = Session.run
+    real = jobs.prefill
 
-    def flaky(self, prepared, policy, **kw):
+    def flaky(model, prompt, policy, *args, **kw):
         if policy.name == "snapkv":
             raise MemoryError("out of host memory")
-        return real(self, prepared, policy, **kw)
+        return real(model, prompt, policy, *args, **kw)
 
-    monkeypatch.setattr(Session, "run", flaky)
+    monkeypatch.setattr(jobs, "prefill", flaky)
     code, out, err = bench([str(IMAGES / "red_circle.png"), "What?", "--budgets", "0.1", "--json", *FAST], capsys)
-    assert code == 1 and err.endswith("snapkv b=0.1: out of host memory\n") and err.count("\n") == 1
+    assert code == 1 and err.count("\n") == 1
+    assert err.endswith("snapkv b=0.1: out of host memory; try a lower --budget, fewer --frames or a lower "
+                        "--max-pixels\n")
     rows = {r["method"]: (r["n"], r["errors"]) for r in json.loads(out)["aggregates"]}
     assert rows == {"full": (1, 0), "hybridkv": (1, 0), "snapkv": (1, 1)}
 

@@ -86,14 +86,14 @@ def test_runtime_error_subprocess_is_one_line(procs):
 # --- in process -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo():
-    from hybridkv_cli.demo import build_demo
+    from hybridkv_cli.models.demo import build_demo
 
     return build_demo()
 
 
 @pytest.fixture(autouse=True)
 def cached_demo(demo, monkeypatch):
-    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: demo)
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", lambda name, **kw: demo)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_runtime_errors_exit_1_with_one_line(tmp_path, capsys):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    from hybridkv_cli.errors import MediaError
+    from hybridkv_cli.io.errors import MediaError
 
     with pytest.raises(MediaError):
         cli.run(["ask", str(tmp_path / "gone.mp4"), "What?", "--debug", *FAST])
@@ -230,11 +230,11 @@ TEXT_SCHEMA = {**SCHEMA, "input": {"kind": str, "label": str, "files": list, "co
 
 
 def test_media_on_a_text_model_is_a_usage_error(clip, capsys, monkeypatch):
-    from hybridkv_cli.loaded import LoadedModel
+    from hybridkv_cli.models.loaded import LoadedModel
 
     text_only = LoadedModel(model=None, processor=object(), name="tiny-llama", device=torch.device("cpu"),
                             dtype=torch.float32, random_weights=False)
-    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: text_only)
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", lambda name, **kw: text_only)
     assert cli.run(["ask", str(clip), "What?", *FAST]) == 2
     err = capsys.readouterr().err
     assert err == f"error: {clip}: tiny-llama is a text model: it takes a text context (--context FILE or a " \

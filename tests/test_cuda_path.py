@@ -34,14 +34,15 @@ from types import SimpleNamespace
 import torch
 sys.path.insert(0, "tests")
 from test_methods import CONTEXT, QUESTION, tiny_text_model
+import hybridkv_cli.compression.batch_cache as batch_mod
 import hybridkv_cli.compression.cache as cache_mod
 import hybridkv_cli.compression.hybridkv as hybrid_mod
 from hybridkv_cli.engine import prompt_job
 from hybridkv_cli.engine.decoder import Decoder
 from hybridkv_cli.compression import make_policy
-from hybridkv_cli.demo import build_demo
+from hybridkv_cli.models.demo import build_demo
 from hybridkv_cli.engine import generate
-from hybridkv_cli.prompt import build_text_prompt
+from hybridkv_cli.models.prompt import build_text_prompt
 from hybridkv_kernels import cuda_path
 from hybridkv_kernels.op_watch import OpWatch, watch_kernels
 
@@ -89,7 +90,7 @@ def wrap_update(cls):
     cls.update = run
 
 wrap_update(cache_mod.PolicyLayer)
-wrap_update(cache_mod.BatchLayer)
+wrap_update(batch_mod.BatchLayer)
 attend = cache_mod.attend
 def attend_watched(module, *args, **kwargs):
     cache = kwargs.get(cache_mod.CACHE_KWARG)

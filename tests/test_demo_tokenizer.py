@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hybridkv_cli import demo as D
+from hybridkv_cli.models import demo as D
 
 
 def test_the_shipped_tokenizer_file_loads_with_its_vocabulary():

@@ -14,9 +14,9 @@ import pytest
 from rich.console import Console
 
 from hybridkv_cli import cli
-from hybridkv_cli.batch import run_batch
-from hybridkv_cli.inputs import plan_inputs
-from hybridkv_cli.session import AskOptions, Session
+from hybridkv_cli.runs.batch import run_batch
+from hybridkv_cli.runs.inputs import plan_inputs
+from hybridkv_cli.runs.session import AskOptions, Session
 
 sys.path.insert(0, str(Path(__file__).parent))
 from media_fixtures import make_image, make_video  # noqa: E402
@@ -64,7 +64,7 @@ def comparable(record: dict) -> tuple:
 
 
 def distributed(items, tmp_path=None, **kw):
-    from hybridkv_cli.distributed import run_distributed
+    from hybridkv_cli.runs.distributed import run_distributed
 
     err, out = io.StringIO(), io.StringIO()
     summary = run_distributed(items, QUESTION, OPTS, workers=2, console=Console(file=err, width=300), jsonl=out,
@@ -145,7 +145,7 @@ def test_a_dead_worker_retries_once_then_records_an_error(local_ray, folder, tmp
 
 @needs_ray
 def test_a_worker_dead_while_loading_is_replaced_once(local_ray, folder, tmp_path):
-    from hybridkv_cli.errors import ModelError
+    from hybridkv_cli.io.errors import ModelError
 
     flag = tmp_path / "killed-once"
 
@@ -197,7 +197,7 @@ def test_resume_after_an_interrupted_run_answers_only_what_is_missing(local_ray,
                                                   ("SIGTERM", 143, "stopped by SIGTERM after")])
 def test_a_stop_signal_stops_the_workers_and_keeps_the_completed_lines(local_ray, folder, tmp_path, signame, code,
                                                                        said):
-    from hybridkv_cli.signals import stop_on_signals
+    from hybridkv_cli.io.signals import stop_on_signals
 
     driver = os.getpid()
 

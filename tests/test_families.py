@@ -16,15 +16,16 @@ import pytest
 import torch
 from PIL import Image
 
-from hybridkv_cli import cli, models
+from hybridkv_cli import cli
 from hybridkv_cli.compression import make_policy
-from hybridkv_cli.demo import build_demo
-from hybridkv_cli.errors import ModelError
-from hybridkv_cli.families import FAMILIES
 from hybridkv_cli.engine import generate
+from hybridkv_cli.io.errors import ModelError
 from hybridkv_cli.media import load_media
-from hybridkv_cli.prompt import build_prompt
-from hybridkv_cli.tiny_models import TINY_FAMILIES, build_tiny
+from hybridkv_cli.models.demo import build_demo
+from hybridkv_cli.models.families import FAMILIES
+from hybridkv_cli.models.registry import load_model
+from hybridkv_cli.models.prompt import build_prompt
+from hybridkv_cli.models.tiny_models import TINY_FAMILIES, build_tiny
 
 NEW_TOKENS = 5
 QUESTION = "What happens?"
@@ -70,7 +71,7 @@ def tiny():
 def test_every_family_has_a_tiny_model_by_name():
     assert {f.tiny for f in FAMILIES} == {"demo-random", *(f"demo-random:{k}" for k in TINY_FAMILIES)}
     for family in FAMILIES:
-        loaded = models.load_model(family.tiny, device="cpu")
+        loaded = load_model(family.tiny, device="cpu")
         assert loaded.model.config.model_type == family.model_type and loaded.random_weights
         assert loaded.num_kv_heads == 2 and loaded.num_heads == 4 and loaded.head_dim == 32
 
@@ -160,7 +161,7 @@ def test_saved_checkpoint_directory_loads_through_the_auto_classes(tiny, media, 
     loaded = tiny[family]
     loaded.model.save_pretrained(tmp_path)
     loaded.processor.save_pretrained(tmp_path)
-    again = models.load_model(str(tmp_path), device="cpu", dtype="float32")
+    again = load_model(str(tmp_path), device="cpu", dtype="float32")
     assert type(again.model) is type(loaded.model) and type(again.processor) is type(loaded.processor)
     prompt = build_prompt(loaded.processor, media["images"], QUESTION)
     assert torch.equal(build_prompt(again.processor, media["images"], QUESTION).inputs["input_ids"],
@@ -182,14 +183,14 @@ def test_cached_hub_id_loads_offline(tiny, family, tmp_path, monkeypatch):
     tiny[family].processor.save_pretrained(snapshot)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)
-    loaded = models.load_model(f"hybridkv-test/tiny-{family}", device="cpu")
+    loaded = load_model(f"hybridkv-test/tiny-{family}", device="cpu")
     assert type(loaded.model) is type(tiny[family].model) and loaded.multimodal
 
 
 def test_unsupported_architecture_is_one_line_listing_the_families(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "idefics3"}')
     with pytest.raises(ModelError) as err:
-        models.load_model(str(tmp_path), device="cpu")
+        load_model(str(tmp_path), device="cpu")
     message = str(err.value)
     assert "\n" not in message and "'idefics3'" in message
     for family in FAMILIES:

@@ -9,8 +9,8 @@ from hybridkv_cli.api import ask
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.engine import generate
 from hybridkv_cli.media import load_media
-from hybridkv_cli.demo import build_demo
-from hybridkv_cli.prompt import build_prompt
+from hybridkv_cli.models.demo import build_demo
+from hybridkv_cli.models.prompt import build_prompt
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_media"
 NEW_TOKENS = 12

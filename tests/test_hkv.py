@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridkv_cli import cli, hkv
+from hybridkv_cli import cli
 from hybridkv_cli.compression import METHODS, make_policy
+from hybridkv_cli.engine import hkv
 from hybridkv_cli.media import load_media
-from hybridkv_cli.models import max_pixels_for
-from hybridkv_cli.prompt import QuestionTemplate
-from hybridkv_cli.prompt import build_prompt
+from hybridkv_cli.models.registry import max_pixels_for
+from hybridkv_cli.models.prompt import QuestionTemplate, build_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shared_prefix import TEMPLATE_QUESTION, answer, compress_prefix  # noqa: E402
 from demo_fixtures import SAMPLE, cached_demo, demo, video  # noqa: E402,F401 - fixtures
 from media_fixtures import make_video  # noqa: E402
 from method_options import needed  # noqa: E402
+from shared_prefix import TEMPLATE_QUESTION, answer, compress_prefix  # noqa: E402
 
 QUESTIONS = ["What happens in the video?", "What colour is the square?"]
 NEW = 8

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridkv_cli import cli, hkv
-from hybridkv_cli.state_kinds import KINDS
+from hybridkv_cli import cli
+from hybridkv_cli.engine import hkv
+from hybridkv_cli.engine.state_kinds import KINDS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from demo_fixtures import cached_demo, demo, video  # noqa: E402,F401 - fixtures
@@ -299,6 +300,6 @@ def test_a_killed_save_leaves_no_temporary_file_behind(demo, video, tmp_path):
 def test_the_schema_is_pinned_to_the_format_version():
     """Renaming, adding or retyping a saved attribute changes the schema digest: a new file format.
     Bump ``hkv.FORMAT_VERSION`` and this pin together."""
-    from hybridkv_cli.state_kinds import schema_digest
+    from hybridkv_cli.engine.state_kinds import schema_digest
 
     assert (hkv.FORMAT_VERSION, schema_digest()) == (2, "4b5bfef8b90cb9c9")

@@ -86,6 +86,32 @@ def test_ragged_attention_validates_shapes():
                                    n_gen=2)
 
 
+def _stores(shapes, d, n_gen_of, seed):
+    """RaggedKVs of ``shapes`` (head lengths each), with 8 generated rows of which ``n_gen_of(i)`` count."""
+    out = []
+    for i, lengths in enumerate(shapes):
+        keys, values, offsets, lens = _store(lengths, d, torch.float32, seed=seed + i)
+        gen = torch.randn(2, len(lengths), 8, d, generator=torch.Generator().manual_seed(seed + i))
+        out.append(hk.RaggedKV(keys, values, offsets, lens, gen[0], gen[1], n_gen_of(i), max(lengths)))
+    return out
+
+
+@pytest.mark.parametrize("n_gen", [0, 3])
+def test_batched_attention_torch_is_each_store_alone(n_gen):
+    """The torch path attends stores of one shape together (here two pairs, interleaved, one with an
+    empty head): exactly each store's output alone, and the reference's."""
+    d, G = 16, 3
+    stores = _stores([[5, 0, 9], [4, 7], [5, 0, 9], [4, 7], [2]], d, lambda i: n_gen if i < 4 else 1, 0)
+    heads = [s.num_heads for s in stores]
+    q = torch.randn(sum(heads), G, d)
+    out = hk.batched_decode_attention(q, stores, scale=0.3, backend="torch")
+    for part, got, s in zip(q.split(heads), out.split(heads), stores):
+        assert torch.equal(got, hk.batched_decode_attention(part, [s], scale=0.3, backend="torch"))
+        assert_close(hk.ragged_decode_attention_torch(part, *s[:7], scale=0.3), got, 1e-6)
+    if n_gen == 0:
+        assert torch.count_nonzero(out[1]) == 0  # empty head -> zeros
+
+
 def test_split_heuristic():
     # long store, few heads: many splits, each a multiple of the block and covering the store
     s, length = hk.decode_split_heuristic(65536, 4, 64)
@@ -243,6 +269,42 @@ def test_gather_plan_pairs_free_slots_in_order():
     want = torch.tensor([[9, 2, 8, 4]])
     # slot 0 (4) and 3 (2) are hits; free slots 1, 2 get the missing ids 9, 8 in want order
     assert hk.gather_plan(resident, want, 10).tolist() == [[-1, 9, 8, -1]]
+
+
+def _part(heads, chunks, chunk, slots, d, seed, two_bit):
+    """One sequence's dynamic heads for ``chunk_retrieve``: half their slots already hold a chunk."""
+    g = torch.Generator().manual_seed(seed)
+    host_k, host_v = torch.randn(2, heads, chunks, chunk, d, generator=g)
+    if two_bit:
+        codes, scale = hk.pack_keys(host_k.flatten(1, 2))
+    else:
+        codes = torch.randint(-127, 128, (heads, chunks, d), generator=g, dtype=torch.int8)
+        scale = torch.rand(heads, chunks, generator=g) + 0.5
+    store = torch.zeros(heads * (slots * chunk + 3) + 2, d)
+    resident = torch.stack([torch.randperm(chunks, generator=g)[:slots] for _ in range(heads)])
+    resident[:, slots // 2:] = -1
+    return hk.RetrievalPart(codes, scale, host_k, host_v, store, store.clone(),
+                            torch.arange(heads) * (slots * chunk + 3) + 2, resident, torch.zeros((), dtype=torch.long))
+
+
+@pytest.mark.parametrize("two_bit", [False, True])
+def test_chunk_retrieve_torch_is_each_part_alone(two_bit):
+    """The torch path ranks and plans parts of one geometry together (here two of three, with
+    different head counts): exactly the slots, resident ids and byte counts of each part alone."""
+    d, G = 16, 3
+    parts = [_part(2, 24, 4, 6, d, 0, two_bit), _part(1, 30, 2, 5, d, 1, two_bit), _part(3, 24, 4, 6, d, 2, two_bit)]
+    alone = [hk.RetrievalPart(*[t.clone() for t in p]) for p in parts]
+    q = torch.randn(6, G, d)
+    for step in range(2):  # the second step keeps the hits of the first
+        hk.chunk_retrieve(list(torch.split(q * (step + 1), [2, 1, 3])), parts, backend="torch")
+        for p, rows in zip(alone, torch.split(q * (step + 1), [2, 1, 3])):
+            n, chunk = p.resident.shape[1], p.host_k.shape[2]
+            want = (hk.quant_key_topk(rows, p.landmarks, p.landmark_scale, chunk, n, "torch") if two_bit
+                    else hk.chunk_topk(rows, p.landmarks, n, landmark_scale=p.landmark_scale, backend="torch"))
+            hk.chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want, "torch", p.moved)
+        for a, b in zip(parts, alone):
+            assert torch.equal(a.resident, b.resident) and int(a.moved) == int(b.moved) > 0
+            assert torch.equal(a.store_k, b.store_k) and torch.equal(a.store_v, b.store_v)
 
 
 # --------------------------------------------------------------------------- window scores

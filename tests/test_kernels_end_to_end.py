@@ -15,8 +15,8 @@ import json, torch
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.engine import generate
 from hybridkv_cli.media import load_media
-from hybridkv_cli.demo import build_demo
-from hybridkv_cli.prompt import build_prompt
+from hybridkv_cli.models.demo import build_demo
+from hybridkv_cli.models.prompt import build_prompt
 from hybridkv_kernels import resolve_backend
 demo = build_demo()
 media = load_media(["sample_media/images/red_circle.png", "sample_media/images/blue_square.jpg"], max_pixels=56 * 56)

@@ -2,7 +2,7 @@
 
 Inputs are built the way a user builds them (the processor called directly): an image set and a
 video on the demo Qwen2.5-VL and on the tiny random Qwen2-VL, Qwen3-VL and LLaVA-OneVision models
-(:mod:`hybridkv_cli.tiny_models`), and a text prompt on tiny Llama and Qwen2 decoders. At b = 1
+(:mod:`hybridkv_cli.models.tiny_models`), and a text prompt on tiny Llama and Qwen2 decoders. At b = 1
 every method gives exactly the tokens of the same stock ``generate`` call; the report carries the CLI
 record's fields and, for the same prompt, the same KV numbers; the model is restored on exit,
 also after an exception; the documented example runs as written.
@@ -25,12 +25,12 @@ import hybridkv_cli
 from hybridkv_cli.api import ask
 from hybridkv_cli.compression import METHODS, make_policy
 from hybridkv_cli.compression.cache import ATTENTION_NAME
-from hybridkv_cli.demo import build_demo
-from hybridkv_cli.errors import UsageError
+from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.library import roles_from_ids
 from hybridkv_cli.media import load_media
-from hybridkv_cli.prompt import build_prompt
-from hybridkv_cli.tiny_models import TINY_FAMILIES, build_tiny
+from hybridkv_cli.models.demo import build_demo
+from hybridkv_cli.models.prompt import build_prompt
+from hybridkv_cli.models.tiny_models import TINY_FAMILIES, build_tiny
 
 sys.path.insert(0, str(Path(__file__).parent))
 from media_fixtures import make_noise_video  # noqa: E402

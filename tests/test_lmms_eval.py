@@ -26,7 +26,7 @@ pytest.importorskip("lmms_eval")
 from lmms_eval.api.instance import GenerationResult, Instance  # noqa: E402
 
 from hybridkv_cli import cli  # noqa: E402
-from hybridkv_cli.errors import UsageError  # noqa: E402
+from hybridkv_cli.io.errors import UsageError  # noqa: E402
 from hybridkv_cli.lmms_eval_model import HybridKV, stop_at  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -139,7 +139,7 @@ def reference_loglikelihood(model: HybridKV, index: int, continuation: str, docs
     """Stock transformers: one forward over prompt + continuation, no cache of ours."""
     import torch
 
-    from hybridkv_cli.prompt import question_ids
+    from hybridkv_cli.models.prompt import question_ids
 
     inputs = dict(model.prepare(QUESTION, docs[index]["images"]).prompt.inputs)
     ids = question_ids(model.loaded.tokenizer, continuation)

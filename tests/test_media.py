@@ -16,17 +16,11 @@ import torch
 from PIL import Image
 
 from hybridkv_cli import media
-from hybridkv_cli.errors import MediaError, UsageError
+from hybridkv_cli.io.errors import MediaError, UsageError
 from hybridkv_cli.media import MediaInput, MediaWarning, load_media, pixel_bounds, target_size
 
 sys.path.insert(0, str(Path(__file__).parent))
-from media_fixtures import (  # noqa: E402
-    frame_value,
-    make_audio_only,
-    make_image,
-    make_noise_video,
-    make_video,
-)
+from media_fixtures import frame_value, make_audio_only, make_image, make_noise_video, make_video  # noqa: E402
 
 SMALL = 28 * 28 * 6  # max_pixels that keeps test frames tiny (e.g. 56x84)
 REPO = Path(__file__).resolve().parent.parent

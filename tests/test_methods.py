@@ -2,7 +2,7 @@
 
 Shared matrix (every name in ``METHODS``) over ten inputs: an image set and a video on the demo
 Qwen2.5-VL and on the tiny random Qwen2-VL, Qwen3-VL and LLaVA-OneVision models
-(:mod:`hybridkv_cli.tiny_models`), and a text prompt (context + question) on tiny Llama and
+(:mod:`hybridkv_cli.models.tiny_models`), and a text prompt (context + question) on tiny Llama and
 Qwen2 decoders. At b = 1
 the tokens equal ``full``'s (and ``full``'s equal stock ``generate``'s); at b = 0.1 the device
 bytes after prefill are within the budget (quest: honestly the full KV plus metadata, and a
@@ -19,6 +19,7 @@ import av
 import numpy as np
 import pytest
 import torch
+from method_options import needed
 from PIL import Image
 
 from hybridkv_cli.api import ask
@@ -33,14 +34,13 @@ from hybridkv_cli.compression.selection import keep_top_tiered
 from hybridkv_cli.compression.snapkv import SnapKV
 from hybridkv_cli.compression.sparsemm import SparseMM, head_budgets
 from hybridkv_cli.compression.streamingllm import StreamingLLM
-from hybridkv_cli.errors import HybridKVError
 from hybridkv_cli.engine import generate
+from hybridkv_cli.io.errors import HybridKVError
 from hybridkv_cli.media import load_media
-from hybridkv_cli.demo import build_demo
-from hybridkv_cli.loaded import LoadedModel
-from hybridkv_cli.prompt import build_prompt, build_text_prompt
-from hybridkv_cli.tiny_models import TINY_FAMILIES, build_tiny
-from method_options import needed
+from hybridkv_cli.models.demo import build_demo
+from hybridkv_cli.models.loaded import LoadedModel
+from hybridkv_cli.models.prompt import build_prompt, build_text_prompt
+from hybridkv_cli.models.tiny_models import TINY_FAMILIES, build_tiny
 
 NAMES = sorted(METHODS)
 
@@ -487,3 +487,24 @@ def test_quest_reads_top_pages_and_the_last_page():
     torch.testing.assert_close(kv.attend(q, layer.scale)[0], expected)
     assert kv.max_read == 19 and kv.device_bytes() > kv.store.device_bytes()
     assert math.isclose(kv.device_bytes() - kv.store.device_bytes(), 2 * 10 * 16 * 4)
+
+
+def test_method_options_are_the_options_the_methods_take():
+    """The typed options a run carries are exactly the union of the registered methods' fields, and
+    one given to a method that does not take it stays a usage error naming its flag."""
+    from dataclasses import fields
+
+    from hybridkv_cli.compression import MethodOptions
+    from hybridkv_cli.io.errors import UsageError
+
+    taken = set().union(*(cls.options() for cls in METHODS.values()))
+    assert {f.name for f in fields(MethodOptions)} == taken
+    assert MethodOptions(window=8, sinks=None).given() == {"window": 8}
+    assert MethodOptions(window=8).policy("snapkv", budget=0.2).window == 8
+    with pytest.raises(UsageError, match="does not apply to method 'snapkv'") as e:
+        MethodOptions(sinks=2).policy("snapkv")
+    assert e.value.source == "--sinks"
+    with pytest.raises(UsageError, match="not an option of any method"):
+        MethodOptions.of({"budget": 0.1, "windw": 8})
+    assert MethodOptions(sinks=2, window=4).per_method(["snapkv", "streamingllm"]) == {
+        "snapkv": {"window": 4}, "streamingllm": {"sinks": 2}}

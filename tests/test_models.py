@@ -10,13 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
-from hybridkv_cli import demo as D
-from hybridkv_cli import checkpoints as C
-from hybridkv_cli import loaded as L
-from hybridkv_cli import models as M
-from hybridkv_cli import prompt as P
-from hybridkv_cli.errors import ModelError, UsageError
-
+from hybridkv_cli.io.errors import ModelError, UsageError
+from hybridkv_cli.models import checkpoints as C
+from hybridkv_cli.models import demo as D
+from hybridkv_cli.models import registry as M
+from hybridkv_cli.models import loaded as L
+from hybridkv_cli.models import prompt as P
 
 # ----------------------------------------------------------------------------------------------
 # helpers

@@ -13,14 +13,13 @@ import pytest
 from hybridkv_cli import cli
 from hybridkv_cli.compression import METHODS, make_policy
 from hybridkv_cli.engine import Limits, generate
-from hybridkv_cli.prompt import QuestionTemplate
-from hybridkv_cli.prompt import build_prompt, build_text_prompt
+from hybridkv_cli.models.prompt import QuestionTemplate, build_prompt, build_text_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shared_prefix import TEMPLATE_QUESTION, answer, answer_all, compress_prefix  # noqa: E402
 from demo_fixtures import SAMPLE, cached_demo, demo, video  # noqa: E402,F401 - fixtures
 from media_fixtures import make_video  # noqa: E402
 from method_options import needed  # noqa: E402
+from shared_prefix import TEMPLATE_QUESTION, answer, answer_all, compress_prefix  # noqa: E402
 
 QUESTIONS = ["What happens in the video?", "What colour is the square?", "How many shapes are there?"]
 NEW = 8

@@ -20,15 +20,16 @@ import torch
 from PIL import Image
 from rich.console import Console
 
-from hybridkv_cli import cli, session
+from hybridkv_cli import cli
 from hybridkv_cli.engine import jobs as engine_decode
-from hybridkv_cli.batch import run_batch
-from hybridkv_cli.errors import ContextLengthError, MediaError, UsageError
-from hybridkv_cli.inputs import Item, plan_inputs
-from hybridkv_cli.jsonl import JsonlFile
-from hybridkv_cli.questions import clean_question
-from hybridkv_cli.session import AskOptions, Session
-from hybridkv_cli.prompt import build_prompt, chat_text
+from hybridkv_cli.io.errors import ContextLengthError, MediaError, UsageError
+from hybridkv_cli.io.jsonl import JsonlFile
+from hybridkv_cli.io.questions import clean_question
+from hybridkv_cli.models.prompt import build_prompt, chat_text
+from hybridkv_cli.runs import session
+from hybridkv_cli.runs.batch import run_batch
+from hybridkv_cli.runs.inputs import Item, plan_inputs
+from hybridkv_cli.runs.session import AskOptions, Session
 
 sys.path.insert(0, str(Path(__file__).parent))
 from media_fixtures import make_audio_only, make_image, make_video  # noqa: E402
@@ -40,7 +41,7 @@ OPTS = AskOptions(model="demo", frames=4, max_pixels=SMALL, max_new_tokens=2)
 
 @pytest.fixture(scope="module")
 def demo():
-    from hybridkv_cli.demo import build_demo
+    from hybridkv_cli.models.demo import build_demo
 
     return build_demo()
 
@@ -54,7 +55,7 @@ def loads(demo, monkeypatch):
         calls.append(name)
         return demo
 
-    monkeypatch.setattr("hybridkv_cli.models.load_model", fake_load)
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", fake_load)
     return calls
 
 
@@ -290,7 +291,7 @@ def test_model_that_cannot_load_stops_the_run(clip, tmp_path, monkeypatch, capsy
         loads.append(name)
         raise OSError("disk on fire")
 
-    monkeypatch.setattr("hybridkv_cli.models.load_model", broken)
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", broken)
     code = cli.run(["ask", str(tmp_path / "bad.mp4"), str(clip), str(clip), "What?", "--each", "--jsonl", *FAST])
     out, err = capsys.readouterr()
     assert code == 1 and loads == ["demo"]  # tried once, after the first good media, not once per input

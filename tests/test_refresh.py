@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from test_methods import CONTEXT, QUESTION, tiny_text_model
 
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.compression.base import PrefillLayer
 from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_cli.compression.refresh import RateController, Refresher, RefreshOptions
-from hybridkv_cli.demo import build_demo
 from hybridkv_cli.engine import generate
-from hybridkv_cli.prompt import build_text_prompt
-
-from test_methods import CONTEXT, QUESTION, tiny_text_model
+from hybridkv_cli.models.demo import build_demo
+from hybridkv_cli.models.prompt import build_text_prompt
 
 
 def test_controller_holds_the_target_rate_whatever_the_drift_scale():
     g = torch.Generator().manual_seed(0)
     for scale in (1e-4, 1e-2, 0.5):  # drift magnitudes differ by orders across samples
         controller = RateController(RefreshOptions(rate=0.4), torch.device("cpu"))
-        fired = [bool(controller.trigger(torch.rand((), generator=g) * scale)) for _ in range(3000)]
+        fired = [bool(RateController.trigger_all([controller], torch.rand(1, generator=g) * scale))
+                 for _ in range(3000)]
         assert abs(sum(fired[1000:]) / 2000 - 0.4) < 0.05
 
 
@@ -100,18 +102,19 @@ def test_branch_free_refresh_gives_the_tokens_of_the_branching_one(llama, monkey
         out = generate(llama.model, prompt, policy, max_new_tokens=12)
         return out.tokens, out.cache.summary()["refresh"]
 
-    original = Refresher.refresh
+    original = Refresher.refresh_all
 
     def with_branching(flag):
-        def refresh(self, *args):
-            self.branching = flag
-            return original(self, *args)
-        return refresh
+        def refresh_all(items, scale):
+            for r, *_ in items:
+                r.branching = flag
+            return original(items, scale)
+        return staticmethod(refresh_all)
 
-    monkeypatch.setattr(Refresher, "refresh", with_branching(False))  # the device path
+    monkeypatch.setattr(Refresher, "refresh_all", with_branching(False))  # the device path
     tokens, summary = run()
     assert 0 < summary["refreshes"] < summary["layer_steps"]  # some layer-steps fired, not all
-    monkeypatch.setattr(Refresher, "refresh", with_branching(True))  # the host branch (CPU default)
+    monkeypatch.setattr(Refresher, "refresh_all", with_branching(True))  # the host branch (CPU default)
     assert run() == (tokens, summary)
 
 
@@ -134,3 +137,32 @@ def test_only_the_moving_slots_are_re_selected_the_best_stay():
         rows = kv.store.keys[int(r.slot_base[h]) + 4: int(r.slot_base[h]) + 4 + r.fixed.shape[1]]
         assert torch.equal(rows, fixed_rows[h])
         torch.testing.assert_close(rows, prefill.keys[h, r.fixed[h].sort().values])
+
+
+@pytest.mark.parametrize("options", [{}, {"refresh": "periodic", "refresh_period": 2}])
+@pytest.mark.parametrize("branching", [True, False])
+def test_refresh_all_is_each_refresher_alone(options, branching):
+    """The torch path refreshes the refreshers of one geometry together (here two of three: the
+    third holds more slots): exactly the slots, stores, counters and thresholds of each alone."""
+    kvs = [make_policy("rcr", budget=b, **options).compress(layer(seed=s)).kv for s, b in ((0, .25), (1, .25), (2, .3))]
+    for kv in kvs:
+        kv.refresher.branching = branching
+    alone = copy.deepcopy(kvs)
+    g = torch.Generator().manual_seed(7)
+    scale = 32 ** -0.5
+    for _ in range(6):
+        queries = [torch.randn(2, 2, 32, generator=g) for _ in kvs]
+        Refresher.refresh_all([(kv.refresher, q, kv.store, None) for kv, q in zip(kvs, queries)], scale)
+        for kv, q in zip(alone, queries):
+            kv.refresher.refresh(q, kv.store, scale)
+        for pair in zip(kvs, alone):
+            new = torch.randn(2, 2, 1, 32, generator=g)
+            for kv in pair:
+                kv.append(*new)
+    fired = [int(kv.refresher.refreshes) for kv in kvs]
+    assert 0 < min(fired) and max(fired) < 6  # some steps fired, not all
+    for a, b in zip(kvs, alone):
+        for name in ("resident", "refreshes", "transferred", "key_reads", "clock"):
+            assert torch.equal(getattr(a.refresher, name), getattr(b.refresher, name)), name
+        assert torch.equal(a.refresher.controller.tau, b.refresher.controller.tau)
+        assert torch.equal(a.store.keys, b.store.keys) and torch.equal(a.store.values, b.store.values)

@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 
 from hybridkv_cli import cli
-from hybridkv_cli.errors import MediaWarning
+from hybridkv_cli.io.errors import MediaWarning
 
 sys.path.insert(0, str(Path(__file__).parent))
 from media_fixtures import make_noise_video, make_video  # noqa: E402
@@ -39,7 +39,7 @@ BOM = b"\xef\xbb\xbf"
 
 @pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
 def test_context_file_with_bom_and_any_line_ending(tmp_path, ending):
-    from hybridkv_cli.inputs import read_context
+    from hybridkv_cli.runs.inputs import read_context
 
     path = tmp_path / "notes.txt"
     path.write_bytes(BOM + b"The key is 42." + ending + b"Shelf 3." + ending)
@@ -49,7 +49,7 @@ def test_context_file_with_bom_and_any_line_ending(tmp_path, ending):
 
 @pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
 def test_stdin_path_list_with_bom_and_any_line_ending(ending):
-    from hybridkv_cli.inputs import read_paths
+    from hybridkv_cli.runs.inputs import read_paths
 
     stdin = io.TextIOWrapper(io.BytesIO(BOM + b"a b.mp4" + ending + ending + b"c.png" + ending))
     assert read_paths(stdin) == ["a b.mp4", "c.png"]
@@ -64,14 +64,14 @@ def _task_file(path: Path, bom: bool, ending: bytes) -> Path:
 
 @pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
 def test_task_file_any_line_ending(tmp_path, ending):
-    from hybridkv_cli.bench import read_tasks
+    from hybridkv_cli.runs.bench import read_tasks
 
     assert [t.id for t in read_tasks(_task_file(tmp_path / "tasks.jsonl", False, ending))] == ["one", "two"]
 
 
 @pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
 def test_task_file_saved_by_notepad(tmp_path, ending):
-    from hybridkv_cli.bench import read_tasks
+    from hybridkv_cli.runs.bench import read_tasks
 
     assert [t.id for t in read_tasks(_task_file(tmp_path / "tasks.jsonl", True, ending))] == ["one", "two"]
 
@@ -86,7 +86,7 @@ def _questions_file(path: Path, ending: bytes, jsonl: bool) -> Path:
 @pytest.mark.parametrize("jsonl", [False, True])
 @pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
 def test_questions_file_saved_by_notepad(tmp_path, ending, jsonl):
-    from hybridkv_cli.questions import read_questions
+    from hybridkv_cli.io.questions import read_questions
 
     path = _questions_file(tmp_path / "questions.txt", ending, jsonl)
     assert read_questions(str(path)) == [("What is the key?", ("42",) if jsonl else ()), ("Which shelf?", ())]
@@ -181,7 +181,7 @@ def test_gguf_load_is_silent(procs):
 
 
 def test_library_noise_is_scoped_and_debug_shows_it(capsys, caplog):
-    from hybridkv_cli.console import one_line_warnings, quiet_libraries
+    from hybridkv_cli.io.console import one_line_warnings, quiet_libraries
 
     filters, disabled = list(warnings.filters), logging.root.manager.disable
     with one_line_warnings(), quiet_libraries():
@@ -197,7 +197,7 @@ def test_library_noise_is_scoped_and_debug_shows_it(capsys, caplog):
 
 def test_decord_is_silenced_without_debug_only(tmp_path, monkeypatch):
     decord = pytest.importorskip("decord")
-    from hybridkv_cli.console import quiet_libraries
+    from hybridkv_cli.io.console import quiet_libraries
     from hybridkv_cli.media import load_media
 
     clip = make_video(tmp_path / "clip.mp4", n=8)
@@ -212,7 +212,7 @@ def test_decord_is_silenced_without_debug_only(tmp_path, monkeypatch):
 
 
 def test_deferred_line_write_holds_sigterm():
-    from hybridkv_cli.signals import Terminated, deferred_signals
+    from hybridkv_cli.io.signals import Terminated, deferred_signals
 
     done = []
     with pytest.raises(Terminated) as e:
@@ -227,9 +227,9 @@ def test_a_signal_during_the_file_write_keeps_the_streamed_line_and_the_count(tm
     lands while the file line is written acts after all three (before, the stream lost the line)."""
     from rich.console import Console
 
-    from hybridkv_cli.batch import Recorder, Summary
-    from hybridkv_cli.jsonl import JsonlFile
-    from hybridkv_cli.signals import Terminated, stop_on_signals
+    from hybridkv_cli.io.jsonl import JsonlFile
+    from hybridkv_cli.io.signals import Terminated, stop_on_signals
+    from hybridkv_cli.runs.batch import Recorder, Summary
 
     sink, stream = JsonlFile(tmp_path / "out.jsonl"), io.StringIO()
     sink.open()
@@ -276,10 +276,10 @@ def test_rotated_video_upright_with_either_decoder(tmp_path, monkeypatch, decode
 
 
 def test_record_and_report_carry_frame_size_and_rotation(tmp_path, capsys, monkeypatch):
-    from hybridkv_cli.demo import build_demo
+    from hybridkv_cli.models.demo import build_demo
 
     demo = build_demo()
-    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: demo)
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", lambda name, **kw: demo)
     rotated = make_video(tmp_path / "phone.mp4", n=4, rotation=-90)
     plain = make_video(tmp_path / "plain.mp4", n=4)
     assert cli.run(["ask", str(rotated), "What?", "--json", "-q", *FAST]) == 0
@@ -333,10 +333,10 @@ def test_animation_inside_an_image_set_gives_its_first_frame_with_a_warning(tmp_
 
 
 def test_animation_record_through_the_cli(tmp_path, capsys, monkeypatch):
-    from hybridkv_cli.demo import build_demo
+    from hybridkv_cli.models.demo import build_demo
 
     demo = build_demo()
-    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: demo)
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", lambda name, **kw: demo)
     assert cli.run(["ask", str(_animation(tmp_path / "a.webp")), "What?", "--json", "-q", *FAST]) == 0
     inp = json.loads(capsys.readouterr().out)["input"]
     assert inp["kind"] == "video" and inp["frames_total"] == 10 and inp["frames_used"] == 4
@@ -344,8 +344,8 @@ def test_animation_record_through_the_cli(tmp_path, capsys, monkeypatch):
 
 # --- 6. very large prompts ------------------------------------------------------------------------------
 def test_large_image_set_warns_once_naming_each_and_max_pixels(tmp_path):
-    from hybridkv_cli.demo import build_demo
-    from hybridkv_cli.session import AskOptions, Session
+    from hybridkv_cli.models.demo import build_demo
+    from hybridkv_cli.runs.session import AskOptions, Session
 
     folder = tmp_path / "thumbs"
     folder.mkdir()
@@ -366,10 +366,10 @@ def test_large_image_set_warns_once_naming_each_and_max_pixels(tmp_path):
 
 
 def test_large_video_prompt_warns_from_the_built_prompt(tmp_path, capsys, monkeypatch):
-    from hybridkv_cli.demo import build_demo
+    from hybridkv_cli.models.demo import build_demo
 
-    monkeypatch.setattr("hybridkv_cli.models.load_model", lambda name, **kw: build_demo())
-    monkeypatch.setattr("hybridkv_cli.session.LARGE_PROMPT_TOKENS", 8)  # the demo clip's prompt holds 12
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", lambda name, **kw: build_demo())
+    monkeypatch.setattr("hybridkv_cli.runs.guards.LARGE_PROMPT_TOKENS", 8)  # the demo clip's prompt holds 12
     clip = make_video(tmp_path / "clip.mp4", n=8)
     assert cli.run(["ask", str(clip), "What?", "--json", "-q", *FAST]) == 0
     out, err = capsys.readouterr()
@@ -389,7 +389,7 @@ def test_a_stop_signal_swallowed_by_a_destructor_still_stops_the_run():
     import os
     import signal
 
-    from hybridkv_cli import signals
+    from hybridkv_cli.io import signals
 
     class Closes:
         def __del__(self):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from hybridkv_cli import cli
-from hybridkv_cli.errors import HybridKVError, MediaError, UsageError
+from hybridkv_cli.io.errors import HybridKVError, MediaError, UsageError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from media_fixtures import make_video  # noqa: E402
@@ -83,7 +83,7 @@ BAD_TEXT = {
 
 @pytest.mark.parametrize("name", sorted(BAD_TEXT))
 def test_every_bad_path_is_one_line_without_blocking(nasty, name):
-    from hybridkv_cli.user_files import read_text
+    from hybridkv_cli.io.user_files import read_text
 
     with pytest.raises(UsageError) as e:
         _no_block(lambda: read_text(nasty[name], "--questions"))
@@ -91,7 +91,7 @@ def test_every_bad_path_is_one_line_without_blocking(nasty, name):
 
 
 def test_size_limit_is_checked_before_and_while_reading(tmp_path):
-    from hybridkv_cli.user_files import read_text
+    from hybridkv_cli.io.user_files import read_text
 
     big = tmp_path / "big.txt"
     big.write_text("a question?\n" * 1000)
@@ -103,7 +103,7 @@ def test_size_limit_is_checked_before_and_while_reading(tmp_path):
 
 
 def test_a_bom_is_dropped_and_the_limits_are_documented(tmp_path):
-    from hybridkv_cli import user_files
+    from hybridkv_cli.io import user_files
 
     path = tmp_path / "bom.txt"
     path.write_bytes(b"\xef\xbb\xbfWhat?\r\n")
@@ -117,7 +117,7 @@ def test_a_bom_is_dropped_and_the_limits_are_documented(tmp_path):
 
 
 def test_json_that_breaks_the_parser_is_a_value_error():
-    from hybridkv_cli.user_files import loads
+    from hybridkv_cli.io.user_files import loads
 
     for text in ("[" * 100_000, "9" * 5000, "{", '{"a": 1,}', "\ufeff{}"):
         with pytest.raises(ValueError):
@@ -127,11 +127,11 @@ def test_json_that_breaks_the_parser_is_a_value_error():
 
 # --- every reader goes through it -------------------------------------------------------------------
 def _readers():
-    from hybridkv_cli.bench import read_tasks
     from hybridkv_cli.compression.route import read_route
     from hybridkv_cli.compression.sparsemm import load_head_scores
-    from hybridkv_cli.inputs import read_context
-    from hybridkv_cli.questions import read_questions
+    from hybridkv_cli.io.questions import read_questions
+    from hybridkv_cli.runs.bench import read_tasks
+    from hybridkv_cli.runs.inputs import read_context
 
     return {"questions": (read_questions, UsageError), "tasks": (read_tasks, UsageError),
             "route": (read_route, UsageError), "scores": (load_head_scores, UsageError),
@@ -154,7 +154,7 @@ def test_every_reader_refuses_what_is_not_its_file(nasty, reader, name):
 
 
 def test_question_file_values_are_checked_like_task_files(tmp_path):
-    from hybridkv_cli.questions import read_questions
+    from hybridkv_cli.io.questions import read_questions
 
     cases = {
         '{"question": "Q?", "answer": {"a": 1}}': "'answer' must be a non-empty string or a list of them",
@@ -180,7 +180,7 @@ def test_question_file_values_are_checked_like_task_files(tmp_path):
 
 
 def test_task_file_values(tmp_path):
-    from hybridkv_cli.bench import read_tasks
+    from hybridkv_cli.runs.bench import read_tasks
 
     rows = {'{"question": "Q?", "context": "c", "answer": {"a": 1}}': "'answer' must be",
             '{"question": "Q?", "context": {"c": 1}}': "'context' must be a string",
@@ -303,7 +303,7 @@ def test_head_scores_of_huge_json_numbers(tmp_path, nasty):
     ("99999999999999999999999TiB", "too large"), ("0", "expected a size"),
 ])
 def test_sizes(text, message):
-    from hybridkv_cli.option_values import parse_size
+    from hybridkv_cli.commands.options import parse_size
 
     with pytest.raises(UsageError, match=message) as e:
         parse_size(text, "--kv-memory")
@@ -312,7 +312,7 @@ def test_sizes(text, message):
 
 @pytest.mark.parametrize("address", ["foo", "host:", ":6379", "host:0", "host:65536", "host:port", "a b:1", ""])
 def test_malformed_ray_addresses_are_usage_errors(address):
-    from hybridkv_cli.ray_cluster import gcs_address
+    from hybridkv_cli.runs.ray_cluster import gcs_address
 
     with pytest.raises(UsageError) as e:
         gcs_address(address)

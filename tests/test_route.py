@@ -11,7 +11,7 @@ import torch
 from hybridkv_cli import cli
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.compression.base import PrefillLayer
-from hybridkv_cli.errors import UsageError
+from hybridkv_cli.io.errors import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 

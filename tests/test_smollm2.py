@@ -20,7 +20,7 @@ QUESTION = "What is the pass key? Answer with the number only."
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from hybridkv_cli.models import load_model
+    from hybridkv_cli.models.registry import load_model
 
     return load_model("smollm2", device="cpu", dtype="float32")
 

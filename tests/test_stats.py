@@ -1,10 +1,10 @@
-"""Bootstrap intervals (hybridkv_cli.stats): known cases, determinism, the paired difference."""
+"""Bootstrap intervals (hybridkv_cli.runs.stats): known cases, determinism, the paired difference."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybridkv_cli.stats import bootstrap_ci, paired_diff_ci
+from hybridkv_cli.runs.stats import bootstrap_ci, paired_diff_ci
 
 
 def test_constant_values_give_a_zero_width_interval_at_the_value():

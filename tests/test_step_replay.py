@@ -37,10 +37,10 @@ from types import SimpleNamespace
 from hybridkv_cli.engine import prompt_job
 from hybridkv_cli.engine.decoder import Decoder
 from hybridkv_cli.compression import make_policy
-from hybridkv_cli.demo import build_demo
+from hybridkv_cli.models.demo import build_demo
 from hybridkv_cli.engine import generate
 from hybridkv_cli.media import load_media
-from hybridkv_cli.prompt import build_prompt
+from hybridkv_cli.models.prompt import build_prompt
 from hybridkv_kernels import RaggedKV, batched_decode_attention, ragged_decode_attention, segment_table
 from hybridkv_kernels.op_watch import OpWatch, watch_kernels
 
@@ -140,11 +140,11 @@ def test_cuda_graph_replay_gives_the_eager_tokens(method, options):
     """On a GPU: ``--cuda-graphs`` captures the step and replays it, with the eager batch's tokens."""
     from types import SimpleNamespace
 
-    from hybridkv_cli.engine import Limits, decode, prompt_job
     from hybridkv_cli.compression import make_policy
-    from hybridkv_cli.demo import build_demo
+    from hybridkv_cli.engine import Limits, decode, prompt_job
     from hybridkv_cli.media import load_media
-    from hybridkv_cli.prompt import build_prompt
+    from hybridkv_cli.models.demo import build_demo
+    from hybridkv_cli.models.prompt import build_prompt
 
     demo = build_demo(device="cuda")
     prompts = [build_prompt(demo.processor, load_media([f"sample_media/images/{name}"], max_pixels=56 * 56), question)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from hybridkv_cli.demo import build_demo_tokenizer
+from hybridkv_cli.models.demo import build_demo_tokenizer
 from training import synthetic as S
 
 
@@ -25,8 +25,8 @@ def test_scene_is_deterministic_in_the_seed():
 
 
 def test_video_geometry_matches_what_load_media_gives():
-    from hybridkv_cli.demo import TRAINED_MAX_PIXELS as demo
     from hybridkv_cli.media import pixel_bounds, target_size
+    from hybridkv_cli.models.demo import TRAINED_MAX_PIXELS as demo
 
     scene = S.make_scene(np.random.default_rng(0))
     assert scene.video.shape == (S.FRAMES, S.VIDEO_SIZE, S.VIDEO_SIZE, 3) and scene.video.dtype == np.uint8

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv_cli.bench import read_tasks
+from hybridkv_cli.runs.bench import read_tasks
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "benchmarks" / "tasks"

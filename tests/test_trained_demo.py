@@ -11,14 +11,14 @@ import pytest
 import torch
 from PIL import Image
 
-from hybridkv_cli import demo as D
-from training import synthetic as S
 from hybridkv_cli.api import ask
 from hybridkv_cli.media import MediaInput, load_media
-from hybridkv_cli.models import load_model, max_pixels_for
+from hybridkv_cli.models import demo as D
+from hybridkv_cli.models.registry import load_model, max_pixels_for
+from training import synthetic as S
 
 ROOT = Path(__file__).resolve().parent.parent
-WEIGHTS = ROOT / "hybridkv_cli" / D.TRAINED_WEIGHTS
+WEIGHTS = D.trained_weights_path()
 SAMPLES = ROOT / "sample_media" / "questions.jsonl"
 
 
@@ -59,7 +59,7 @@ def test_demo_random_is_still_the_random_model():
 
 
 def test_missing_weights_say_what_to_do(tmp_path, monkeypatch):
-    from hybridkv_cli.errors import ModelError
+    from hybridkv_cli.io.errors import ModelError
 
     with pytest.raises(ModelError, match="train_demo.py"):
         D.build_trained_demo(weights=tmp_path / "none.safetensors")
@@ -83,7 +83,7 @@ def test_the_trained_demo_reads_frames_at_its_training_size(tmp_path, monkeypatc
 
 
 def test_trained_config_keeps_the_head_geometry():
-    from hybridkv_cli.demo import build_demo_tokenizer
+    from hybridkv_cli.models.demo import build_demo_tokenizer
 
     cfg = D.demo_config(build_demo_tokenizer(), trained=True)
     text = cfg.text_config
@@ -152,7 +152,7 @@ def test_training_loss_equals_the_full_forward_loss():
 def _batch_and_full_losses(TD, model, proc, scenes, rng):
     """The training loss of ``scenes`` as one batch, checked to depend on the pixels, and the summed
     answer cross-entropy and token count of every question's full inference prompt."""
-    from hybridkv_cli.prompt import build_prompt
+    from hybridkv_cli.models.prompt import build_prompt
 
     medias = [TD.to_media(sc, rng) for sc in scenes]
     inputs, suffix, labels, owner, _ = TD.encode(proc, medias, [sc.qas for sc in scenes])
@@ -188,7 +188,7 @@ def test_guidance_targets_the_key_word_and_the_picture_numbers():
     TD = _train_demo()
     proc = D.build_demo_processor()
     tok = proc.tokenizer
-    from hybridkv_cli.prompt import build_prompt, question_ids
+    from hybridkv_cli.models.prompt import build_prompt, question_ids
 
     # the key word is the last token of the shape the question names, else of its last word
     for question, word in [("What digit is shown when the star appears?", "star"),

@@ -1,9 +1,9 @@
 """Train the demo's byte-level BPE from a small embedded English corpus and write it as a file.
 
-    python -m training.demo_tokenizer [--out hybridkv_cli/weights/demo_tokenizer.json]
+    python -m training.demo_tokenizer [--out hybridkv_cli/models/weights/demo_tokenizer.json]
 
 The shipped demo reads its vocabulary and merges from that file
-(:func:`hybridkv_cli.demo.build_demo_tokenizer`), so the weights never depend on training the
+(:func:`hybridkv_cli.models.demo.build_demo_tokenizer`), so the weights never depend on training the
 tokenizer again; training here is deterministic, and a test checks that the file is what it gives.
 """
 
@@ -15,7 +15,7 @@ import itertools
 import json
 from pathlib import Path
 
-from hybridkv_cli.demo import DEMO_TOKENIZER, ENDOFTEXT
+from hybridkv_cli.models.demo import DEMO_TOKENIZER, ENDOFTEXT
 
 DEMO_BPE_VOCAB = 1900
 

@@ -21,9 +21,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from hybridkv_cli.api import ask
-from hybridkv_cli.answers import normalise
 from hybridkv_cli.media import load_media
-from hybridkv_cli.models import load_model, max_pixels_for
+from hybridkv_cli.models.registry import load_model, max_pixels_for
+from hybridkv_cli.runs.answers import normalise
 
 
 def read_manifest(path: Path) -> tuple[Path, list[dict]]:
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     rows = rows[: args.limit]
     start = time.perf_counter()
     if args.weights:
-        from hybridkv_cli.demo import TRAINED_MAX_PIXELS, build_trained_demo
+        from hybridkv_cli.models.demo import TRAINED_MAX_PIXELS, build_trained_demo
 
         loaded, max_pixels = build_trained_demo(weights=args.weights), TRAINED_MAX_PIXELS
     else:

@@ -4,7 +4,7 @@ Everything is rendered with numpy from a seed, so a task set is reproducible bit
 
 **Videos** (:func:`make_scene`): ``frames`` frames (64 by default) of ``VIDEO_SIZE`` x ``VIDEO_SIZE``
 pixels, at ``VIDEO_FPS`` frames per second: 16 visual tokens (a 4 x 4 grid) per pair of frames, 512
-for 64 frames. The trained demo reads frames at this size (``hybridkv_cli.demo.frame_pixels``;
+for 64 frames. The trained demo reads frames at this size (``hybridkv_cli.models.demo.frame_pixels``;
 Qwen's own video minimum would upscale them 3x). A seven-segment *scoreboard* in the top-left cell
 shows a digit that changes every eighth of the clip; coloured shapes (circle, triangle, 1-3
 squares, star) appear, move cell by cell on the 28-pixel token grid and disappear.

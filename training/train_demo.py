@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Train the demo model (``--model demo``) from scratch on the synthetic tasks, on CPU.
 
-    python -m training.train_demo [--steps 3800] [--seed 0] [--threads 2] [--out hybridkv_cli/weights/demo.safetensors]
+    python -m training.train_demo [--steps 3800] [--seed 0] [--threads 2] [--out hybridkv_cli/models/weights/demo.safetensors]
 
 The model is the real ``Qwen2_5_VLForConditionalGeneration`` with the tiny config
-``hybridkv_cli.demo.TRAINED_TEXT`` / ``TRAINED_VISION`` and the offline demo processor. Every
-training example goes through :func:`hybridkv_cli.prompt.build_prompt`, the exact inference prompt,
+``hybridkv_cli.models.demo.TRAINED_TEXT`` / ``TRAINED_VISION`` and the offline demo processor. Every
+training example goes through :func:`hybridkv_cli.models.prompt.build_prompt`, the exact inference prompt,
 and the loss covers only the answer tokens and the closing ``<|im_end|>``.
 
 One step = up to eight scenes of one geometry (image sets, or 16-, 32- or 64-frame clips of 112 x
@@ -40,11 +40,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-
-from hybridkv_cli import demo as D
-from training import synthetic as S
 from hybridkv_cli.media import MediaInput
-from hybridkv_cli.prompt import build_prompt, question_ids
+from hybridkv_cli.models import demo as D
+from hybridkv_cli.models.prompt import build_prompt, question_ids
+from training import synthetic as S
 
 ROOT = Path(__file__).resolve().parent.parent
 IGNORE = -100
@@ -331,7 +330,7 @@ def main(argv=None) -> int:
     ap.add_argument("--guide", type=float, default=0.3, help="weight of the attention-guidance loss")
     ap.add_argument("--probe", type=float, default=0.5, help="weight of the answer-probe loss at the key word")
     ap.add_argument("--log-every", type=int, default=25)
-    ap.add_argument("--out", type=Path, default=ROOT / "hybridkv_cli" / D.TRAINED_WEIGHTS)
+    ap.add_argument("--out", type=Path, default=D.trained_weights_path())
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 

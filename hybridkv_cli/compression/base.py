@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-
-from hybridkv_cli.errors import UsageError
 from hybridkv_kernels import RaggedKV, ragged_decode_attention
+
+from hybridkv_cli.io.errors import UsageError
 
 
 @dataclass
@@ -61,8 +61,9 @@ class PrefillLayer:
 class LayerKV:
     """A compressed layer as decoding uses it.
 
-    A decode step is the chunk retrieval of :attr:`dynamic` heads, :meth:`segments` (the method's
-    own work for this query: refresh, page selection) and then one attention over what it returns, so the layers of several
+    A decode step is the chunk retrieval of :attr:`dynamic` heads, the refresh of the
+    :attr:`refresher`'s, :meth:`segments` (the method's own work for this query: page selection)
+    and then one attention over what it returns, so the layers of several
     sequences, whatever their methods, are attended in one launch
     (:func:`hybridkv_kernels.batched_decode_attention`). Every method keeps something on the
     device; host state and host->device traffic are what only offloading methods have, so they
@@ -72,17 +73,20 @@ class LayerKV:
     #: Chunk retrieval of the layer's dynamic heads (a ``DynamicHeads``; None: the method has
     #: none), run before :meth:`segments`: a batch runs all its members' in one pass.
     dynamic = None
+    #: Refresh of the layer's pruned heads (a ``Refresher``; None: none), run after the retrieval
+    #: and before :meth:`segments`: a batch runs all its members' together (``Refresher.refresh_all``).
+    refresher = None
 
-    def segments(self, query: torch.Tensor, scale: float, count: torch.Tensor | None = None) -> RaggedKV:
-        """Do this step's work for ``query`` [H_kv, G, d]; return the rows the step attends
-        (``count``: in a batch, the generated rows on the device; the step's work reads it rather
-        than the host's count, so the step repeats exactly)."""
+    def segments(self, query: torch.Tensor, scale: float) -> RaggedKV:
+        """Do this step's work for ``query`` [H_kv, G, d]; return the rows the step attends."""
         raise NotImplementedError
 
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Decode attention of ``query`` [H_kv, G, d] (one sequence)."""
         if self.dynamic is not None:
             self.dynamic.refresh(query, self.store)
+        if self.refresher is not None:
+            self.refresher.refresh(query, self.store, scale)
         kv = self.segments(query, scale)
         return ragged_decode_attention(query, *kv[:7], scale=scale, max_length=kv.max_length)
 

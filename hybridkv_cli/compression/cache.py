@@ -1,4 +1,5 @@
-"""Glue to transformers: a ``Cache`` whose layers a policy compresses, and the attention function.
+"""Glue to transformers: a ``Cache`` whose layers a policy compresses, and the attention function
+(a batch of such caches decoded together: :mod:`~hybridkv_cli.compression.batch_cache`).
 
 The text attention of the model calls ``cache.update`` and then the attention function. Inside
 :func:`policy_attention` that function is :func:`attend`: at prefill it runs stock SDPA over the
@@ -22,40 +23,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hybridkv_cli.compression.base import LayerKV, Policy, PrefillLayer
-from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_cli.compression.store import tensor_bytes
-from hybridkv_kernels import batched_decode_attention, resolve_backend, retrieval_table, segment_table
 
 ATTENTION_NAME = "hybridkv"
 CACHE_KWARG = "hybridkv_cache"  # the keyword under which the attention call receives its cache
-
-
-class DeviceClock:
-    """Time spent in spans of work: the host clock on the CPU; on CUDA a pair of events per
-    span (the host clock would time the kernel launches, not the kernels), read once at the end
-    so that timing adds no sync to a decode step."""
-
-    def __init__(self):
-        self._host = 0.0
-        self._events: list = []
-
-    @contextlib.contextmanager
-    def span(self, device: torch.device):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events.append((start, end))
-        else:
-            start = time.perf_counter()
-            yield
-            self._host += time.perf_counter() - start
-
-    def seconds(self) -> float:
-        if self._events:
-            self._events[-1][1].synchronize()
-        return self._host + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -101,9 +72,6 @@ class AttendingCache(Cache):
     """A cache whose attention calls find it: :meth:`update` hands it to the attention call that
     follows (see the module docstring)."""
 
-    #: Times decode attention (a :class:`DeviceClock`), or None.
-    attention_clock: DeviceClock | None = None
-
     def update(self, key_states, value_states, layer_idx: int, *args, kwargs: dict | None = None, **rest):
         """Cache the new keys and values; hand this cache to the attention call that follows
         (``kwargs`` are that call's keyword arguments)."""
@@ -125,7 +93,6 @@ class PolicyCache(AttendingCache):
 
     def __init__(self, policy: Policy, num_layers: int, visual: torch.Tensor):
         super().__init__([PolicyLayer() for _ in range(num_layers)])
-        self.attention_clock = DeviceClock()  # decode attention incl. retrieval and refresh
         self.policy = policy
         self.visual = visual
         self.run: dict = {}  # what the policy shares between the layers of this generation
@@ -152,11 +119,6 @@ class PolicyCache(AttendingCache):
         # Peak while prefilling: this layer's full KV beside the layers compressed before it.
         self.prefill_peak_bytes = max(self.prefill_peak_bytes, full_bytes + self.device_bytes())
         self.compress_seconds += time.perf_counter() - start
-
-    @property
-    def attention_seconds(self) -> float:
-        """Decode attention time over the generation (on CUDA read from events, at the end)."""
-        return self.attention_clock.seconds()
 
     def summary(self) -> dict | None:
         """The policy's head report of this generation (read once, at the end)."""
@@ -202,133 +164,9 @@ class PolicyCache(AttendingCache):
         return store.gen_k.shape[1] - store.n_gen
 
 
-class BatchLayer(CacheLayerMixin):
-    """Layer ``index`` of a batch: the members' own layers, appended to and attended together."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, index: int, batch: "BatchCache"):
-        super().__init__()
-        self.index, self.batch = index, batch
-        self.kv = BatchedKV(index, batch)
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.device = key_states.device
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """Every member's new token (``[B, H_kv, 1, d]``) into its own store, at the row the
-        batch's device counts give (so a replayed step writes where it should)."""
-        rows = self.batch.rows
-        for b, cache in enumerate(self.batch.members):
-            store = cache.layers[self.index].kv.store
-            store.gen_k.index_copy_(1, rows[b:b + 1], key_states[b])
-            store.gen_v.index_copy_(1, rows[b:b + 1], value_states[b])
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return max((cache.layers[self.index].seen for cache in self.batch.members), default=0)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class BatchedKV:
-    """One layer of every member: the chunk retrieval of all members' dynamic heads in one pass
-    (:meth:`DynamicHeads.refresh_all`), each member's own step work (:meth:`LayerKV.segments`),
-    then one :func:`batched_decode_attention` over all their segments.
-
-    When the batch is :attr:`BatchCache.planned`, the launch tables of both are built at the
-    first step of its members and serve every later step: the generated-row counts are read on
-    the device, so the step's launches are the same every step (a CUDA graph can replay them).
-    """
-
-    def __init__(self, index: int, batch: "BatchCache"):
-        self.index, self.batch = index, batch
-        self.plan = None  # (retrieval table or None, segment table) of the current members
-
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        batch = self.batch
-        layers = [cache.layers[self.index].kv for cache in batch.members]
-        queries = query.split(query.shape[0] // len(layers))
-        dynamic = [(kv.dynamic, q, kv.store) for kv, q in zip(layers, queries) if kv.dynamic is not None]
-        if not batch.planned:
-            DynamicHeads.refresh_all(dynamic, batch.backend)
-            return batched_decode_attention(query, [kv.segments(q, scale) for kv, q in zip(layers, queries)],
-                                            scale=scale, backend=batch.backend)
-        if self.plan is None:  # the members' first step: their tables, for every later one
-            one_pass = DynamicHeads.one_pass(dynamic)
-            self.plan = (retrieval_table(DynamicHeads.parts(one_pass)) if one_pass else None,
-                         segment_table([kv.store.segments() for kv in layers], batch.counts))
-        retrieval, table = self.plan
-        DynamicHeads.refresh_all(dynamic, "triton", retrieval)
-        counts = batch.counts
-        parts = [kv.segments(q, scale, counts[b:b + 1]) for b, (kv, q) in enumerate(zip(layers, queries))]
-        return batched_decode_attention(query, parts, scale=scale, backend="triton", table=table)
-
-
-class BatchCache(AttendingCache):
-    """The cache of a batch being decoded: :attr:`members` are the member generations' own
-    caches, in batch order (:meth:`join` and :meth:`keep` change them).
-
-    Parameters
-    ----------
-    backend : {"auto", "torch", "triton"}
-        Kernels of the step (see ``hybridkv_kernels.dispatch``); a batch is :attr:`planned` (its
-        step replayable) when it resolves to Triton, as "auto" does on CUDA.
-    """
-
-    def __init__(self, num_layers: int, device: torch.device, backend: str = "auto"):
-        self.members: list[PolicyCache] = []
-        self.backend = backend
-        # Generated rows of each member (the same in all its layers) on the device, and the row
-        # this step writes: a step's appends and attention read them, never a host count.
-        self.counts = torch.zeros(0, dtype=torch.long, device=device)
-        self.rows = torch.zeros(0, dtype=torch.long, device=device)
-        self.planned = False
-        super().__init__([BatchLayer(i, self) for i in range(num_layers)])
-
-    def join(self, cache: PolicyCache) -> None:
-        """Add a member whose generated rows are allocated for the rest of its decoding."""
-        self.members.append(cache)
-        count = torch.tensor([cache.generated], dtype=torch.long, device=self.counts.device)
-        self.counts, self.rows = torch.cat([self.counts, count]), torch.cat([self.rows, count])
-        self._replan()
-
-    def keep(self, index: list[int]) -> None:
-        """Keep the members at ``index`` (in that order); the others leave."""
-        self.members[:] = [self.members[b] for b in index]
-        at = torch.tensor(index, dtype=torch.long, device=self.counts.device)
-        self.counts, self.rows = self.counts.index_select(0, at), self.rows.index_select(0, at)
-        self._replan()
-
-    def grow(self, rows: int) -> bool:
-        """``rows`` more generated rows for every member whose allocated rows are all written
-        (they move: the launch tables are built again); whether any grew."""
-        full = [cache for cache in self.members if cache.room == 0]
-        for cache in full:
-            cache.reserve(rows)
-        if full:
-            self._replan()
-        return bool(full)
-
-    def _replan(self) -> None:
-        for layer in self.layers:
-            layer.kv.plan = None
-        self.planned = bool(self.members) and all(c.replayable for c in self.members) and (
-            resolve_backend(self.backend, self.counts) == "triton")
-
-    def begin_step(self) -> None:
-        """On the device: one more generated row per member, written at ``rows``."""
-        self.counts.add_(1)
-        torch.sub(self.counts, 1, out=self.rows)
-
-    def device_bytes(self) -> int:
-        return sum(cache.device_bytes() for cache in self.members)
+def layer_count(model) -> int:
+    """The layers of a model's text stack: one cache layer each."""
+    return int(model.config.get_text_config().num_hidden_layers)
 
 
 def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -343,9 +181,7 @@ def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
         return out
     batch, q_heads, q_len, dim = query.shape  # q_len 1: a decode step (of each member of a batch)
     grouped = query[:, :, 0].reshape(batch * key.shape[1], -1, dim)
-    clock = cache.attention_clock
-    with clock.span(query.device) if clock is not None else contextlib.nullcontext():
-        out = layer.kv.attend(grouped, scaling)
+    out = layer.kv.attend(grouped, scaling)
     return out.reshape(batch, q_len, q_heads, dim), None
 
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
+from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.store import RaggedStore
-from hybridkv_cli.errors import UsageError
+from hybridkv_cli.io.errors import UsageError
 
 
 @register("full")

@@ -6,20 +6,19 @@ import math
 from dataclasses import dataclass
 
 import torch
+from hybridkv_kernels import window_scores
 
-from hybridkv_cli.compression import register
 from hybridkv_cli.compression.allocate import LayerPlan, plan_layer
 from hybridkv_cli.compression.base import Compressed, LayerKV, PrefillLayer, check_choice
 from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.classify import classify_static
 from hybridkv_cli.compression.landmarks import LANDMARKS
-from hybridkv_cli.compression.refresh import (
-    RateController, Refresher, RefreshOptions, RefreshPolicy, refresh_summary, split_slots,
-)
+from hybridkv_cli.compression.refresh import (RateController, Refresher, RefreshOptions, RefreshPolicy, refresh_summary,
+                                              split_slots)
+from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_cli.compression.static_prune import text_prior_keep
 from hybridkv_cli.compression.store import RaggedStore
-from hybridkv_kernels import window_scores
 
 
 @dataclass
@@ -38,9 +37,8 @@ class HybridLayerKV(LayerKV):
     def replayable(self) -> bool:
         return self.refresher is None or self.refresher.replayable
 
-    def segments(self, query: torch.Tensor, scale: float, count: torch.Tensor | None = None):
-        if self.refresher is not None:
-            self.refresher.refresh(query, self.store, scale, count)
+    def segments(self, query: torch.Tensor, scale: float):
+        """The store's rows: retrieval and refresh have run (:meth:`LayerKV.attend`, a batch's step)."""
         return self.store.segments()
 
     def device_bytes(self) -> int:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.budget import Budget
+from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.selection import keep_top_tiered
 from hybridkv_cli.compression.store import RaggedStore
 

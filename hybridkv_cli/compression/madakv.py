@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.budget import Budget
+from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.scoring import proportional_split, snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from hybridkv_kernels import RaggedKV
 
-from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, LayerKV, Policy, PrefillLayer
 from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.landmarks import page_bounds
+from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes
-from hybridkv_kernels import RaggedKV
 
 
 @dataclass
@@ -53,7 +53,7 @@ class QuestLayerKV(LayerKV):
         """Prompt entries each head reads per step: the selected pages and the last page."""
         return self.pages * self.page_size + self.length - self.kmin.shape[1] * self.page_size
 
-    def segments(self, query: torch.Tensor, scale: float, count: torch.Tensor | None = None) -> RaggedKV:
+    def segments(self, query: torch.Tensor, scale: float) -> RaggedKV:
         self.steps += 1
         if self.pages == self.kmin.shape[1]:  # every page: read the store as it is
             self.max_read = max(self.max_read, self.length)

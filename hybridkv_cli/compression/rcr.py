@@ -13,13 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, PrefillLayer
 from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.hybridkv import HybridLayerKV
-from hybridkv_cli.compression.refresh import (
-    RateController, Refresher, RefreshOptions, RefreshPolicy, refresh_summary, split_slots,
-)
+from hybridkv_cli.compression.refresh import (RateController, Refresher, RefreshOptions, RefreshPolicy, refresh_summary,
+                                              split_slots)
+from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.scoring import snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
 

@@ -26,10 +26,11 @@ slots, and re-selecting all of them would read 8000 keys per refresh.
 The decision stays on the device on the CUDA path (``hybridkv_kernels.refresh_want``): five
 launches a layer-step, the same whether the trigger fires or not (a CUDA graph replays them),
 the candidates' keys read by a kernel in place in pinned host memory where it fired, and an
-untriggered layer "wants" what it holds, so the gather copies nothing. The torch path below is
-the reference and the CPU path: reading the trigger on the host costs nothing there, so the
-refresh is skipped when it does not fire (``branching``); its branch-free form (the new
-selection merged under the trigger mask) is what a test compares the branching one with.
+untriggered layer "wants" what it holds, so the gather copies nothing. The torch path
+(``refresh_torch.py``: a batch's members of one geometry side by side) is the reference and the
+CPU path: reading the trigger on the host costs nothing there, so the refresh is skipped when it
+does not fire (``branching``); its branch-free form (the new selection merged under the trigger
+mask) is what a test compares the branching one with.
 Host→device bytes are counted on the device as the kernels move them: candidate keys of
 triggered steps (``key_reads``) and every entry the gather copies (``transferred``).
 """
@@ -42,6 +43,7 @@ import torch
 
 from hybridkv_cli.compression.base import Policy, check_choice
 from hybridkv_cli.compression.detector import LowRankKeys
+from hybridkv_cli.compression.refresh_torch import evidence, geometry, reselect_fired
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
 from hybridkv_kernels import chunk_gather, cuda_path, refresh_want, resolve_backend
 from hybridkv_kernels.refresh_step import RefreshState
@@ -123,11 +125,17 @@ class RateController:
             run["refresh"] = cls(options, device)
         return run["refresh"]
 
-    def trigger(self, drift: torch.Tensor) -> torch.Tensor:
-        """Whether ``drift`` (0-d) exceeds τ; updates τ with the outcome."""
-        self.tau.copy_(torch.where(self.tau < 0, drift, self.tau))  # unset: start at this drift
-        fired = drift > self.tau
-        self.tau.mul_(torch.exp(self.options.eta * (fired.float() - self.options.rate)))
+    @staticmethod
+    def trigger_all(controllers: list["RateController"], drift: torch.Tensor) -> torch.Tensor:
+        """Whether each drift [B] exceeds its controller's τ (the controllers of B generations);
+        updates every τ with its outcome."""
+        tau = torch.stack([c.tau for c in controllers])
+        tau = torch.where(tau < 0, drift, tau)  # unset: start at this drift
+        fired = drift > tau
+        options = controllers[0].options
+        tau.mul_(torch.exp(options.eta * (fired.float() - options.rate)))
+        for c, t in zip(controllers, tau):
+            c.tau.copy_(t)
         return fired
 
 
@@ -225,29 +233,32 @@ class Refresher:
     def refresh(self, query: torch.Tensor, store: RaggedStore, scale: float, count: torch.Tensor | None = None) -> None:
         """Re-select the moving slots for this step's ``query`` [H_kv, G, d] where the trigger fires
         (``count``: the generated rows on the device, in a batch; else the store's ``n_gen``)."""
-        self.steps += 1
-        if resolve_backend("auto", query, store.keys) == "triton":
-            query = query if query.stride(-1) == 1 else query.contiguous()
-            o = self.options
-            want = refresh_want(query, self._state(), store.keys, store.gen_k, store.n_gen if count is None else count,
-                                scale, kind=o.kind, rate=o.rate, eta=o.eta, period=o.period,
-                                candidates=self._candidates())
-            chunk_gather(self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want,
-                         "triton", self.transferred)
-            return
-        q = query[self.heads].float()
-        kept, approx, held, drift = self._drift(q, store, scale)
-        fired = self._fire(drift)
-        if self.branching:
-            if not bool(fired):
-                return
-            want = self._reselect(q, kept, approx, held)
-        else:
-            want = torch.where(fired, self._reselect(q, kept, approx, held), self.resident)
+        Refresher.refresh_all([(self, query, store, count)], scale)
+
+    @staticmethod
+    def refresh_all(items: list[tuple], scale: float) -> None:
+        """:meth:`refresh` of one layer's refreshers of several generations (``(refresher, query,
+        store, count)`` each): on the kernels each alone, on the torch path those of one
+        ``refresh_torch.geometry`` together (one op a step for all their heads)."""
+        groups: dict[tuple, list] = {}
+        for r, query, store, count in items:
+            r.steps += 1
+            if resolve_backend("auto", query, store.keys) == "triton":
+                r._on_device(query, store, scale, count)
+            else:
+                groups.setdefault(geometry(r, query, store), []).append((r, query, store))
+        for group in groups.values():
+            seen = evidence(group, scale)
+            reselect_fired(group, Refresher._fire([r for r, _, _ in group], seen.drift), seen)
+
+    def _on_device(self, query: torch.Tensor, store: RaggedStore, scale: float, count: torch.Tensor | None) -> None:
+        """The kernels' refresh: decided on the device, the same launches whether it fires or not."""
+        query = query if query.stride(-1) == 1 else query.contiguous()
+        o = self.options
+        want = refresh_want(query, self._state(), store.keys, store.gen_k, store.n_gen if count is None else count,
+                            scale, kind=o.kind, rate=o.rate, eta=o.eta, period=o.period, candidates=self.candidates)
         chunk_gather(self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want,
-                     "torch", self.transferred)
-        self.refreshes += fired.long()
-        self.key_reads += fired.long() * (self.heads.numel() * self._candidates() * self.host_k[0, 0].nbytes)
+                     "triton", self.transferred)
 
     def _state(self) -> RefreshState:
         d = self.detector
@@ -255,50 +266,20 @@ class Refresher:
                             self.fixed, self.resident.shape[1] + self.tail, self.controller.tau, self.clock,
                             self.refreshes, self.key_reads)
 
-    def _drift(self, q: torch.Tensor, store: RaggedStore, scale: float):
-        """Unscaled exact logits of the moving slots [H_r, G, c], low-rank logits of every
-        token [H_r, G, P], the resident mask [H_r, P] and the layer's drift (0-d).
+    @staticmethod
+    def _fire(refreshers: list["Refresher"], drift: torch.Tensor) -> torch.Tensor:
+        """Whether each refresher's trigger fires at this layer-step [B] (one per generation)."""
+        options = refreshers[0].options
+        if options.kind == "periodic":  # steps 1, 1 + T, ...: the count kept on the device
+            for r in refreshers:
+                r.clock += 1
+            return torch.stack([(r.clock - 1) % options.period == 0 for r in refreshers])
+        return RateController.trigger_all([r.controller for r in refreshers], drift)
 
-        Drift of a (head, query) is ``E / (E + R)`` with ``E`` the low-rank softmax mass of the
-        evicted tokens and ``R`` the exact mass of what the device holds; ``E`` is one pass of
-        ``exp`` over the low-rank logits and a product with the evicted mask, so the [H, G, P]
-        tensor is walked a few times, not masked, copied and reduced twice.
-        """
-        c = self.resident.shape[1]
-        rows = self.slot_base[:, None] + torch.arange(c + self.tail, device=q.device)
-        held_keys = store.keys.index_select(0, rows.flatten()).view(len(self.heads), -1, store.keys.shape[-1])
-        exact = torch.bmm(q, held_keys.float().transpose(1, 2))  # slots + fixed + window
-        gen = torch.bmm(q, store.gen_k[self.heads, :store.n_gen].float().transpose(1, 2))
-        resident = torch.cat([exact, gen], dim=-1).mul_(scale).logsumexp(dim=-1)  # log R, [H_r, G]
-        approx = self.detector.logits(q)
-        held = torch.zeros(approx.shape[::2], dtype=torch.bool, device=q.device)
-        held.scatter_(1, self.resident, True).scatter_(1, self.fixed, True)
-        top = approx.amax(dim=-1, keepdim=True)
-        mass = (((approx - top) * scale).exp_() * (~held).float().unsqueeze(1)).sum(dim=-1)
-        evicted = mass.log() + top.squeeze(-1) * scale  # log E, [H_r, G]
-        drift = torch.sigmoid(evicted - resident).mean()
-        return exact[..., :c], approx, held, drift
-
-    def _fire(self, drift: torch.Tensor) -> torch.Tensor:
-        if self.options.kind == "periodic":  # steps 1, 1 + T, ...: the count kept on the device
-            self.clock += 1
-            return (self.clock - 1) % self.options.period == 0
-        return self.controller.trigger(drift)
-
-    def _candidates(self) -> int:
+    @property
+    def candidates(self) -> int:
+        """Candidates a refresh reads the exact keys of, per head."""
         return min(self.options.candidates * self.resident.shape[1], self.host_k.shape[1] - self.fixed.shape[1])
-
-    def _reselect(self, q: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-        """The top ``c`` positions among the detector's top candidates (fixed ones excluded), by
-        exact logit."""
-        score = approx.amax(dim=1).masked_fill_(held, float("-inf"))
-        score.scatter_(1, self.resident, kept.amax(dim=1))  # moving slots: exact logits
-        cand = score.topk(self._candidates(), dim=1).indices  # [H_r, 4c]
-        host_rows = (torch.arange(len(self.heads), device=q.device)[:, None] * self.host_k.shape[1] + cand)
-        flat = self.host_k.view(-1, self.host_k.shape[-1])
-        keys = flat.index_select(0, host_rows.flatten().to(flat.device)).view(*cand.shape, -1)
-        exact = torch.bmm(q, keys.to(q.device).float().transpose(1, 2)).amax(dim=1)  # [H_r, 4c]
-        return cand.gather(1, exact.topk(self.resident.shape[1], dim=1).indices)
 
     def device_bytes(self) -> int:
         return self.detector.device_bytes() + tensor_bytes(self.heads, self.slot_base, self.resident, self.fixed)

@@ -27,13 +27,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+from hybridkv_kernels import chunk_gather
 
-from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, LayerKV, Policy, PrefillLayer
 from hybridkv_cli.compression.budget import Budget
+from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.scoring import snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
-from hybridkv_kernels import chunk_gather
 
 
 def plan_groups(n: int, entries: int, window: int) -> tuple[int, int, int]:
@@ -82,7 +82,7 @@ class RetentiveLayerKV(LayerKV):
     def __post_init__(self):
         self.transferred = torch.zeros((), dtype=torch.long, device=self.store.keys.device)
 
-    def segments(self, query: torch.Tensor, scale: float, count: torch.Tensor | None = None):
+    def segments(self, query: torch.Tensor, scale: float):
         if self.resident is not None:  # bring back the group whose state the query ranks first
             heads, states = self.state_rows.shape
             keys = self.store.keys.index_select(0, self.state_rows.flatten()).view(heads, states, -1)

@@ -11,7 +11,7 @@ keep a layer's whole prompt on the device, outside the one budget) and, optional
 method. ``route`` may also be a comma-separated pattern of methods, repeated over the layers
 (``"hybridkv,snapkv"``: even layers hybridkv, odd ones snapkv). Every layer runs its method at
 the same budget, so the model keeps ``b`` of its cache as a whole. ``hybridkv route`` builds such
-a file from an offline profile (:mod:`hybridkv_cli.routing`).
+a file from an offline profile (:mod:`hybridkv_cli.runs.routing`).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hybridkv_cli.compression import METHODS, make_policy, register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
-from hybridkv_cli.errors import UsageError
+from hybridkv_cli.compression.registry import METHODS, make_policy, register
+from hybridkv_cli.io.errors import UsageError
 
 
 def read_route(path: str | list[str]) -> tuple[list[str], dict[str, dict], bool]:
     """(methods, options per method, whether the methods are a pattern to repeat) of a route file
     or a pattern; a UsageError naming the file. A list is the route builder's single-layer profile
     (the other layers ``full``), taken as given. The file is read as every user text file is
-    (:mod:`hybridkv_cli.user_files`: a regular file, at most 1 MiB) and its options get the checks
-    the command line's flags get (:mod:`hybridkv_cli.option_values`)."""
-    from hybridkv_cli.user_files import read_json
+    (:mod:`hybridkv_cli.io.user_files`: a regular file, at most 1 MiB) and its options get the checks
+    the command line's flags get (:mod:`hybridkv_cli.compression.option_values`)."""
+    from hybridkv_cli.io.user_files import read_json
 
     if isinstance(path, list):
         return path, {}, False
@@ -54,7 +54,7 @@ ROUTE_FORMAT = '{"layers": [method per layer], "options": {method: {option: valu
 def _check_options(options: dict, path: str) -> None:
     """A route file's options: per registered method, the options it takes (``budget`` excepted:
     the route's one budget is ``--budget``), each value checked as its flag's is."""
-    from hybridkv_cli.option_values import check_option
+    from hybridkv_cli.compression.option_values import check_option
 
     for name, given in options.items():
         if name not in METHODS or name == "route":

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.budget import Budget
+from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.scoring import snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.budget import Budget
+from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.scoring import proportional_split, snap_keep, window_attention
 from hybridkv_cli.compression.store import RaggedStore
-from hybridkv_cli.errors import UsageError
+from hybridkv_cli.io.errors import UsageError
 
 FILE_FORMAT = '{"scores": [[one number per KV head] per layer]}'
 
@@ -31,14 +31,14 @@ def load_head_scores(path: str | Path) -> list[list[float]]:
 
     Scores must be finite and non-negative, with the same number of heads in every layer, and
     each layer's sum finite (they are normalised per layer). The file is read as every user text
-    file is (:mod:`hybridkv_cli.user_files`: a regular file, at most 16 MiB).
+    file is (:mod:`hybridkv_cli.io.user_files`: a regular file, at most 16 MiB).
 
     Raises
     ------
     UsageError
         Missing, unreadable or not a regular file, not JSON, or not that shape.
     """
-    from hybridkv_cli.user_files import read_json
+    from hybridkv_cli.io.user_files import read_json
 
     source = str(path)
     data = read_json(path, "--head-scores", FILE_FORMAT)

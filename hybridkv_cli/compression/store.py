@@ -117,8 +117,7 @@ class RaggedStore(LayerKV):
         self.n_gen += 1
         return self.gen_k[:, self.n_gen - 1], self.gen_v[:, self.n_gen - 1]
 
-    def segments(self, query: torch.Tensor | None = None, scale: float | None = None,
-                 count: torch.Tensor | None = None) -> RaggedKV:
+    def segments(self, query: torch.Tensor | None = None, scale: float | None = None) -> RaggedKV:
         """Every head's entries and the generated tokens (a store does no work of its own per step)."""
         return RaggedKV(self.keys, self.values, self.offsets, self.lengths, self.gen_k, self.gen_v, self.n_gen,
                         self.max_length)

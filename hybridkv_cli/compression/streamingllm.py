@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv_cli.compression import register
 from hybridkv_cli.compression.base import Compressed, Policy, PrefillLayer
 from hybridkv_cli.compression.budget import Budget
+from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.store import RaggedStore
 
 

@@ -4,7 +4,7 @@ A member joins with a job (:class:`~hybridkv_cli.engine.jobs.Job`): the cache of
 (the prefix's own, or a copy) and its suffix, the prompt tokens after the prefix (a question
 read after compression, or nothing). A batch step feeds every member's next token through the
 model at once (``[B, 1]`` ids, each at its own position); each layer's attention reads all the
-members' stores in one launch (:class:`~hybridkv_cli.compression.cache.BatchCache`). A member
+members' stores in one launch (:class:`~hybridkv_cli.compression.batch_cache.BatchCache`). A member
 still in its suffix is fed its next suffix token -- chosen on the device from a table of the
 members' suffixes, so the step reads nothing back for it -- and the others the token the model's
 own logits processors and greedy choice give. A member that finishes (the model's end of
@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from hybridkv_cli.compression.cache import BatchCache, PolicyCache, policy_attention
+from hybridkv_cli.compression.batch_cache import BatchCache
+from hybridkv_cli.compression.cache import PolicyCache, layer_count, policy_attention
 from hybridkv_cli.compression.store import GEN_BLOCK
 from hybridkv_cli.engine.measure import Generation, Meter, now
 from hybridkv_cli.engine.prefix import rope_owner
@@ -64,7 +65,7 @@ class Decoder:
         self.max_new_tokens = max_new_tokens
         self.replay = StepReplay(self._device_step, cuda_graphs)
         # the kernels are the device's default either way: --cuda-graphs only replays them
-        self.cache = BatchCache(model.config.get_text_config().num_hidden_layers, self.device)
+        self.cache = BatchCache(layer_count(model), self.device)
         self.members: list[Member] = []
         self.rows = 4 if rope_owner(model) is not None else 1  # mRoPE: the text position, then 3 rotary ones
         self.feed = torch.empty(0, 1, dtype=torch.long, device=self.device)  # [B, 1] next tokens

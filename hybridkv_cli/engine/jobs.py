@@ -28,8 +28,8 @@ import torch
 from hybridkv_cli.engine.decoder import Decoder
 from hybridkv_cli.engine.measure import Generation
 from hybridkv_cli.engine.prefix import Prefix, prefill
-from hybridkv_cli.errors import OutOfMemoryError
-from hybridkv_cli.report import human_bytes
+from hybridkv_cli.io.errors import OutOfMemoryError
+from hybridkv_cli.io.report import human_bytes
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,9 @@ class Limits:
 class Job:
     """One generation to decode: its prefix -- ready, or built by ``prefill()`` when the batch
     has room for it -- and its ``suffix`` tokens. ``length``: its prompt tokens (prefix and
-    suffix), to predict its KV before it is prefilled. ``tag`` and ``about``: whatever the caller
-    needs back (``about`` is None when making the job failed)."""
+    suffix), to predict its KV before it is prefilled (with a ready prefix: its length and the
+    suffix's). ``tag`` and ``about``: whatever the caller needs back (``about`` is None when
+    making the job failed)."""
 
     tag: Any
     suffix: list[int]
@@ -66,6 +67,10 @@ class Job:
     prefill: Callable[[], Prefix] | None = None
     length: int = 0
     about: Any = None
+
+    def __post_init__(self):
+        if self.prefix is not None and not self.length:
+            self.length = self.prefix.seen + len(self.suffix)
 
 
 @dataclass
@@ -78,9 +83,12 @@ class Outcome:
     batch: dict | None = None
 
 
-def batch_info(limits: Limits, joined: int, sizes: list[int], kv_peak: int, replayed: int = 0) -> dict:
+def batch_info(limits: Limits, joined: int, sizes: list[int], kv_peak: int, replayed: int = 0) -> dict | None:
     """A record's ``batch``: when the job joined, the batch sizes of its steps, the most device
-    KV of the batch meanwhile, its steps replayed as a CUDA graph, and the run's limits."""
+    KV of the batch meanwhile, its steps replayed as a CUDA graph, and the run's limits (None for
+    a run that does not batch)."""
+    if not limits.batched:
+        return None
     return {
         "joined_step": joined,
         "size_max": max(sizes, default=1),
@@ -167,7 +175,7 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
                 yield Outcome(job, member.generation(), batch=batch_info(limits, decoder.steps, [], member.bytes))
                 continue
             decoder.join(member)
-            per_token = max(per_token, member.bytes / max(job.prefix.seen + len(job.suffix), 1))
+            per_token = max(per_token, member.bytes / max(job.length, 1))
             if cap is not None and decoder.device_bytes() > cap:
                 decoder.leave(member)
                 if not decoder.members:

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv_cli.compression import Policy
-from hybridkv_cli.compression.cache import PolicyCache, policy_attention
+from hybridkv_cli.compression.cache import PolicyCache, layer_count, policy_attention
+from hybridkv_cli.engine.graph import clone
 from hybridkv_cli.engine.measure import Meter, now
-from hybridkv_cli.graph import clone
-from hybridkv_cli.prompt import Prompt, QuestionTemplate
+from hybridkv_cli.models.prompt import Prompt, QuestionTemplate
 
 
 def rope_owner(model):
@@ -104,7 +104,7 @@ def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, s
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
     tokens = per_token(inputs)
     inputs = {k: v[:, :upto] if k in tokens else v for k, v in inputs.items()}
-    cache = PolicyCache(policy, model.config.get_text_config().num_hidden_layers, prompt.visual[:upto])
+    cache = PolicyCache(policy, layer_count(model), prompt.visual[:upto])
     owner = rope_owner(model)
     saved = owner.rope_deltas if owner is not None else None
     meter = Meter(device)

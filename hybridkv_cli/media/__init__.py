@@ -20,8 +20,8 @@ One job per module: :mod:`.paths` (path checks, the directory scan, labels), :mo
 (file checks, content sniffing), :mod:`.geometry` (Qwen's sizes), :mod:`.images` (image
 decoding), :mod:`.probe`, :mod:`.decoders` and :mod:`.video` (video decoding).
 
-Every failure is a :class:`~hybridkv_cli.errors.MediaError` (exit 1) or, for bad arguments, a
-:class:`~hybridkv_cli.errors.UsageError` (exit 2), one line naming the path as the user typed it.
+Every failure is a :class:`~hybridkv_cli.io.errors.MediaError` (exit 1) or, for bad arguments, a
+:class:`~hybridkv_cli.io.errors.UsageError` (exit 2), one line naming the path as the user typed it.
 No exception from decord, PyAV or Pillow escapes. Non-fatal notices (skipped files in a
 directory, capped frame counts) are emitted with ``warnings.warn(..., MediaWarning)``.
 """
@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hybridkv_cli.errors import UsageError
+from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.media.animation import is_animation, load_animation
 from hybridkv_cli.media.geometry import check_pixel_arg, pixel_bounds, target_size
 from hybridkv_cli.media.images import load_image
@@ -42,7 +42,7 @@ from hybridkv_cli.media.input import MediaInput
 from hybridkv_cli.media.paths import (IMAGE_EXTENSIONS, MEDIA_EXTENSIONS, VIDEO_EXTENSIONS, ExpandedInputs,
                                       expand_inputs, media_in_directory, set_label)
 from hybridkv_cli.media.video import load_video
-from hybridkv_cli.errors import MediaWarning
+from hybridkv_cli.io.errors import MediaWarning
 
 __all__ = [
     "IMAGE_EXTENSIONS",

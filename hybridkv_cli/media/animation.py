@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridkv_cli.errors import HybridKVError, MediaError
+from hybridkv_cli.io.errors import HybridKVError, MediaError
 from hybridkv_cli.media.decoders import resize_chunk
 from hybridkv_cli.media.geometry import FRAME_FACTOR, pixel_bounds, target_size
 from hybridkv_cli.media.images import MAX_SOURCE_PIXELS, pil_image, to_rgb

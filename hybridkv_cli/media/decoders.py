@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from hybridkv_cli.errors import HybridKVError, MediaError
+from hybridkv_cli.io.errors import HybridKVError, MediaError
 from hybridkv_cli.media.probe import Probe
 from hybridkv_cli.media.sniff import one_line
 

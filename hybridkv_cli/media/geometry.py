@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from hybridkv_cli.errors import MediaError, UsageError
+from hybridkv_cli.io.errors import MediaError, UsageError
 from hybridkv_cli.media.sniff import one_line
 
 try:  # pragma: no branch

@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 from PIL import Image, ImageOps
 
-from hybridkv_cli.errors import HybridKVError, MediaError, MediaWarning
+from hybridkv_cli.io.errors import HybridKVError, MediaError, MediaWarning
 from hybridkv_cli.media.geometry import pixel_bounds, target_size
 from hybridkv_cli.media.sniff import check_file, one_line, sniff
 

@@ -13,9 +13,8 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from hybridkv_cli.errors import MediaError, UsageError
+from hybridkv_cli.io.errors import MediaError, MediaWarning, UsageError
 from hybridkv_cli.media.sniff import lstat_checked
-from hybridkv_cli.errors import MediaWarning
 
 VIDEO_EXTENSIONS = {".mp4", ".mov", ".avi", ".mkv", ".webm"}
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".apng", ".webp", ".bmp", ".tif", ".tiff", ".gif"}

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import NamedTuple
 
-from hybridkv_cli.errors import HybridKVError, MediaError
+from hybridkv_cli.io.errors import HybridKVError, MediaError
 from hybridkv_cli.media.sniff import one_line, sniff
 
 

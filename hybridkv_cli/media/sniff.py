@@ -6,13 +6,13 @@ import os
 import stat
 from pathlib import Path
 
-from hybridkv_cli.errors import MediaError
-from hybridkv_cli.user_files import stat_checked
+from hybridkv_cli.io.errors import MediaError
+from hybridkv_cli.io.user_files import stat_checked
 
 
 def lstat_checked(path: Path, shown: str) -> os.stat_result:
     """stat() a path (following links), turning every failure into a one-line MediaError (the
-    one path check of user files, :func:`hybridkv_cli.user_files.stat_checked`)."""
+    one path check of user files, :func:`hybridkv_cli.io.user_files.stat_checked`)."""
     return stat_checked(path, MediaError, shown)
 
 

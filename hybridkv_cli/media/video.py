@@ -7,13 +7,12 @@ from pathlib import Path
 
 import torch
 
-from hybridkv_cli.errors import HybridKVError, MediaError
+from hybridkv_cli.io.errors import HybridKVError, MediaError, MediaWarning
 from hybridkv_cli.media.decoders import DECODERS, DecodeFailed
 from hybridkv_cli.media.geometry import FPS_MAX_FRAMES, FRAME_FACTOR, pixel_bounds, target_size
 from hybridkv_cli.media.input import MediaInput
 from hybridkv_cli.media.probe import probe_video
 from hybridkv_cli.media.sniff import check_file, one_line
-from hybridkv_cli.errors import MediaWarning
 
 
 def sample_indices(total: int, duration: float, frames: int, fps: float | None, shown: str) -> list[int]:

@@ -1,0 +1,42 @@
+"""``hybridkv compress``: media prefilled and compressed once, saved as ``.hkv`` files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from hybridkv_cli.commands.options import (ALL_OPTIONS, DEBUG, DEVICE, DTYPE, EACH, FPS, FRAMES, MAX_PIXELS, MODEL,
+                                           QUIET, method_options)
+from hybridkv_cli.io.console import err, print_warning, status
+
+
+@method_options(ALL_OPTIONS)
+def compress(
+    args: list[str] = typer.Argument(..., metavar="MEDIA...", help="A video, image files or a directory."),
+    output: Path = typer.Option(..., "--output", "-o", metavar="FILE.hkv|DIR", help="The cache file (--each or "
+                                "several inputs: a folder)."),
+    model: str = MODEL,
+    method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`)."),
+    frames: int = FRAMES, fps: float | None = FPS, max_pixels: int | None = MAX_PIXELS, device: str = DEVICE,
+    dtype: str = DTYPE, each: bool = EACH,
+    jsonl: bool = typer.Option(False, "--jsonl", help="One JSON line per input on stdout (its cache file and "
+                               "sizes, or its error)."),
+    resume: bool = typer.Option(False, "--resume", help="Skip inputs whose cache file already holds this "
+                                "cache (another model, method or options: compressed again)."),
+    quiet: bool = QUIET, debug: bool = DEBUG, options=None,
+):
+    from hybridkv_cli.runs.inputs import plan_inputs
+    from hybridkv_cli.runs.multi_run import run_compress
+    from hybridkv_cli.runs.session import AskOptions, Session
+
+    session = Session(AskOptions(model=model, device=device, dtype=dtype, method=method, method_options=options,
+                                 frames=frames, fps=fps, max_pixels=max_pixels, defer_question=True),
+                      stage=status(quiet))
+    items = plan_inputs(list(args), each=each, stdin=sys.stdin)
+    if not items:
+        print_warning("no inputs; nothing to do")
+        return 0
+    return run_compress(session, items, output, each=each, resume=resume, console=err, quiet=quiet, debug=debug,
+                        jsonl=sys.stdout if jsonl else None)

@@ -1,0 +1,213 @@
+"""Copy and flatten the state a compression leaves behind, with no pickle and no class names.
+
+A compressed cache is a graph of small objects (a layer's ``LayerKV``, its ``RaggedStore``,
+landmarks, detectors, refreshers, the reports, the per-run dict with the refresh controller)
+holding tensors. :func:`flatten` turns such a graph into
+
+* ``storages``: one flat ``uint8`` tensor per distinct tensor storage (so views of one storage,
+  and one tensor reached twice, stay one storage), and
+* ``tree``: a JSON-able description of the objects, containers and scalars, in which a tensor is
+  (storage, dtype, shape, stride, offset), an object is its *kind* and its attributes
+  (:mod:`hybridkv_cli.engine.state_kinds`), and an object reached twice is a reference,
+
+and :func:`rebuild` turns them back into a graph of new objects. A kind is a key of a fixed table
+and a dtype a key of another: nothing in a tree is imported or looked up by attribute, no
+constructor runs, and every attribute must be one its kind declares, of the declared type.
+:func:`clone` is the two in one process: an independent copy of a compressed state (pinned host
+memory stays pinned).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridkv_cli.engine.state_kinds import DTYPES, KIND_OF, KINDS, attributes, conforms
+
+#: Deepest nesting a tree may have (a state nests a few levels; a deeper tree is not one).
+MAX_DEPTH = 32
+
+
+class GraphError(ValueError):
+    """A graph that cannot be flattened or rebuilt (an unknown class, a bad tree)."""
+
+
+def _byte_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class _Flattener:
+    def __init__(self):
+        self.storages: dict[str, torch.Tensor] = {}
+        self.storage_info: dict[str, dict] = {}
+        self._storage_keys: dict[tuple, str] = {}
+        self._objects: dict[int, int] = {}
+        self._alive: list = []  # keeps ids stable while flattening
+
+    def tensor(self, t: torch.Tensor) -> dict:
+        storage = t.untyped_storage()
+        ident = (str(t.device), storage.data_ptr(), storage.nbytes())
+        key = self._storage_keys.get(ident) if storage.nbytes() else None
+        if key is None:
+            key = f"s{len(self.storages)}"
+            self.storages[key] = _byte_view(storage, t.device)
+            self.storage_info[key] = {"device": t.device.type,
+                                      "pinned": bool(t.device.type == "cpu" and storage.nbytes() and t.is_pinned())}
+            if storage.nbytes():
+                self._storage_keys[ident] = key
+        return {"T": {"s": key, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                      "stride": list(t.stride()), "off": t.storage_offset()}}
+
+    def __call__(self, x: Any):
+        if x is None or type(x) in (bool, int, str):
+            return x
+        if type(x) is float:
+            return x if x == x and x not in (float("inf"), float("-inf")) else {"F": repr(x)}
+        if isinstance(x, torch.Tensor):
+            return self.tensor(x)
+        if id(x) in self._objects:
+            return {"ref": self._objects[id(x)]}
+        n = len(self._objects)
+        self._objects[id(x)] = n
+        self._alive.append(x)
+        if type(x) is list:
+            return {"L": [self(v) for v in x], "id": n}
+        if type(x) is tuple:
+            return {"U": [self(v) for v in x], "id": n}
+        if type(x) is dict:
+            return {"D": [[self(k), self(v)] for k, v in x.items()], "id": n}
+        kind = KIND_OF.get(type(x))
+        if kind is None:
+            raise GraphError(f"cannot save a {type(x).__module__}.{type(x).__qualname__}")
+        state, declared = vars(x), attributes(kind)
+        if state.keys() != declared.keys():
+            raise GraphError(f"a {kind} holds {sorted(state.keys() ^ declared.keys())}, which its kind does not "
+                             "declare: declare it in hybridkv_cli/engine/state_kinds.py (a new cache format)")
+        return {"O": kind, "id": n, "s": {k: self(v) for k, v in state.items()}}
+
+
+def flatten(graph: Any) -> tuple[dict[str, torch.Tensor], dict[str, dict], Any]:
+    """``(storages, storage_info, tree)`` of ``graph`` (see the module docstring). The storages
+    are byte views of the live tensors' storages, not copies."""
+    f = _Flattener()
+    with torch.inference_mode():
+        tree = f(graph)
+    return f.storages, f.storage_info, tree
+
+
+def _ints(value, what: str) -> list[int]:
+    if type(value) is not list or not all(type(v) is int and 0 <= v < 2**62 for v in value) or len(value) > 8:
+        raise GraphError(f"a tensor's {what} is not a list of sizes")
+    return value
+
+
+class _Rebuilder:
+    def __init__(self, storages: dict[str, torch.Tensor]):
+        self.storages = storages
+        self.objects: dict[int, Any] = {}
+        self.depth = 0
+
+    def tensor(self, spec) -> torch.Tensor:
+        if type(spec) is not dict or set(spec) != {"s", "dtype", "shape", "stride", "off"}:
+            raise GraphError("a tensor without its storage, dtype, shape, stride and offset")
+        data = self.storages.get(spec["s"]) if type(spec["s"]) is str else None
+        dtype = DTYPES.get(spec["dtype"]) if type(spec["dtype"]) is str else None
+        if data is None or dtype is None:
+            raise GraphError(f"a tensor of a missing storage or an unknown dtype ({str(spec['dtype'])[:40]})")
+        shape, stride = _ints(spec["shape"], "shape"), _ints(spec["stride"], "stride")
+        off = _ints([spec["off"]], "offset")[0]
+        if len(shape) != len(stride):
+            raise GraphError("a tensor's shape and stride differ in length")
+        need = off + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
+        if need * dtype.itemsize > data.numel() or (data.numel() and data.numel() % dtype.itemsize and need):
+            raise GraphError("a tensor reaches past the end of its storage")
+        return torch.empty(0, dtype=dtype, device=data.device).set_(data.untyped_storage(), off, shape, stride)
+
+    def _new(self, n, value):
+        if type(n) is not int or n in self.objects:
+            raise GraphError("an object without a new id")
+        self.objects[n] = value
+        return value
+
+    def __call__(self, x: Any):
+        if x is None or type(x) in (bool, int, float, str):
+            return x
+        if type(x) is not dict:
+            raise GraphError(f"bad node {type(x).__name__}")
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise GraphError(f"nested deeper than {MAX_DEPTH} levels")
+            return self._node(x)
+        finally:
+            self.depth -= 1
+
+    def _node(self, x: dict):
+        if "T" in x:
+            return self.tensor(x["T"])
+        if "F" in x:
+            if x["F"] not in ("inf", "-inf", "nan"):
+                raise GraphError("a float that is not inf or nan")
+            return float(x["F"])
+        if "ref" in x:
+            try:
+                return self.objects[x["ref"]]
+            except (KeyError, TypeError):
+                raise GraphError("reference to an unknown object") from None
+        n = x.get("id")
+        if type(x.get("L")) is list:
+            out = self._new(n, [])
+            out.extend(self(v) for v in x["L"])
+            return out
+        if type(x.get("U")) is list:
+            return self._new(n, tuple(self(v) for v in x["U"]))
+        if type(x.get("D")) is list:
+            out = self._new(n, {})
+            for item in x["D"]:
+                if type(item) is not list or len(item) != 2:
+                    raise GraphError("a dict entry that is not a key and a value")
+                key = self(item[0])
+                if type(key) not in (str, int):
+                    raise GraphError("a dict key that is not a name or a number")
+                out[key] = self(item[1])
+            return out
+        if "O" in x:
+            return self._object(n, x)
+        raise GraphError(f"bad node with keys {sorted(map(str, x))[:8]}")
+
+    def _object(self, n, x: dict):
+        kind = x["O"]
+        if type(kind) is not str or kind not in KINDS:
+            raise GraphError(f"unknown kind of state '{str(kind)[:60]}'")
+        declared, state = attributes(kind), x.get("s")
+        if type(state) is not dict or state.keys() != declared.keys():
+            raise GraphError(f"a {kind} without exactly its attributes")
+        cls = KINDS[kind][0]
+        out = self._new(n, cls.__new__(cls))
+        values = {k: self(v) for k, v in state.items()}
+        for k, v in values.items():
+            if not conforms(v, declared[k]):
+                raise GraphError(f"a {kind}'s {k} is not a {getattr(declared[k], '__name__', declared[k])}")
+        out.__dict__.update(values)
+        return out
+
+
+def rebuild(storages: dict[str, torch.Tensor], tree: Any) -> Any:
+    """The graph ``tree`` describes, its tensors views of ``storages`` (uint8, one per key)."""
+    with torch.inference_mode():
+        return _Rebuilder(storages)(tree)
+
+
+def clone(graph: Any) -> Any:
+    """An independent copy of ``graph``: every storage copied once (views stay views of the copy,
+    pinned host memory stays pinned), every object new."""
+    storages, info, tree = flatten(graph)
+    with torch.inference_mode():
+        copies = {}
+        for key, data in storages.items():
+            if info[key]["pinned"]:
+                copies[key] = torch.empty(data.shape, dtype=torch.uint8, pin_memory=True).copy_(data)
+            else:
+                copies[key] = data.clone()
+    return rebuild(copies, tree)

@@ -1,0 +1,143 @@
+"""The torch path of decode attention: the reference of one sequence and the batch's CPU path.
+
+:func:`ragged_decode_attention_torch` is the reference (and the CPU path of a single sequence's
+``ragged_decode_attention``); :func:`batched_decode_attention_torch` attends the stores of a
+batch on the CPU. The layout is ``decode_attention``'s (its module docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["batched_decode_attention_torch", "check_ragged", "ragged_decode_attention_torch"]
+
+
+def check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen):
+    """Refuse a step whose tensors do not fit the layout (module docstring of ``decode_attention``)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [H_kv, G, d], got {tuple(q.shape)}")
+    H, _, d = q.shape
+    if keys.dim() != 2 or keys.shape != values.shape or keys.shape[1] != d:
+        raise ValueError(f"keys/values must both be [T, {d}], got {tuple(keys.shape)}, "
+                         f"{tuple(values.shape)}")
+    if offsets.shape != (H,) or lengths.shape != (H,):
+        raise ValueError(f"offsets/lengths must be [{H}], got {tuple(offsets.shape)}, "
+                         f"{tuple(lengths.shape)}")
+    if n_gen < 0:
+        raise ValueError(f"n_gen must be >= 0, got {n_gen}")
+    if n_gen > 0:
+        if gen_k is None or gen_v is None:
+            raise ValueError("n_gen > 0 needs gen_k and gen_v")
+        if gen_k.dim() != 3 or gen_k.shape[0] != H or gen_k.shape[2] != d \
+                or gen_v.shape != gen_k.shape or gen_k.shape[1] < n_gen:
+            raise ValueError(f"gen_k/gen_v must be [{H}, cap >= {n_gen}, {d}], got "
+                             f"{tuple(gen_k.shape)}, {tuple(gen_v.shape)}")
+
+
+def ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None,
+                                  n_gen=0, scale=None):
+    """Torch reference of :func:`ragged_decode_attention` (the CPU path of one sequence).
+
+    Softmax in fp32; the two matmuls run in the input dtype (fp32 accumulation inside the
+    BLAS) so no fp32 copy of the store is made. With bf16/fp16 inputs the scores are therefore
+    rounded to the input dtype before the softmax, as in Hugging Face's eager attention; the
+    Triton kernel keeps them in fp32 (the tests compare it with this function on fp32 copies).
+
+    It loops over KV heads (4 for Qwen2.5-VL-7B) on *views* of the store: the vectorised
+    alternative would gather every head's rows into a padded [H_kv, max_len, d] tensor, i.e.
+    copy the whole KV cache each step; the op is bandwidth-bound, so that copy would about
+    double its cost. It needs ``lengths``/``offsets`` on the host (one sync on CUDA).
+    """
+    check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen)
+    H, G, d = q.shape
+    scale = d ** -0.5 if scale is None else float(scale)
+    offs = offsets.tolist()
+    lens = lengths.tolist()
+    out = torch.zeros(H, G, d, dtype=torch.float32, device=q.device)
+    for h in range(H):
+        ks, vs = [], []
+        if lens[h] > 0:
+            ks.append(keys[offs[h]:offs[h] + lens[h]])
+            vs.append(values[offs[h]:offs[h] + lens[h]])
+        if n_gen > 0:
+            ks.append(gen_k[h, :n_gen])
+            vs.append(gen_v[h, :n_gen])
+        if not ks:
+            continue  # empty head -> zeros
+        qh = q[h].to(keys.dtype)
+        # scores of the parts side by side ([G, len] each, small), one softmax over both
+        s = torch.cat([(qh @ k.T).float() for k in ks], dim=-1).mul_(scale)
+        p = torch.softmax(s, dim=-1)
+        o, start = out[h], 0
+        for v in vs:
+            o += (p[:, start:start + v.shape[0]].to(v.dtype) @ v).float()
+            start += v.shape[0]
+    return out.to(q.dtype)
+
+
+def batched_decode_attention_torch(q, stores, scale=None):
+    """Torch path of :func:`batched_decode_attention` (the CPU path).
+
+    On the CPU a step's cost is mostly per op, so the stores of one shape (:func:`_shape`: the
+    questions of one prefix share it) are attended together: the scores of all their heads go
+    side by side into one padded buffer, scaled and normalised by one op each, and only the
+    products of a head with its own rows (views of its store: nothing is copied) and of a
+    store's generated rows (one ``bmm`` for all its heads) stay per store. A store's numbers do
+    not depend on the others: every op it meets has the shapes it has alone.
+    """
+    heads = [s.num_heads for s in stores]
+    for part, s in zip(torch.split(q, heads), stores):
+        check_ragged(part, *s[:7])
+    spans = [list(zip(s.offsets.tolist(), s.lengths.tolist())) for s in stores]
+    groups: dict[tuple, list[int]] = {}
+    for i, (s, held) in enumerate(zip(stores, spans)):
+        groups.setdefault(_shape(s, held), []).append(i)
+    if len(groups) == 1:
+        return _together(q, stores, spans, scale)
+    starts = torch.tensor([0, *heads]).cumsum(0).tolist()
+    out = torch.empty_like(q)
+    for index in groups.values():
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=q.device) for i in index])
+        part = _together(q.index_select(0, rows), [stores[i] for i in index], [spans[i] for i in index], scale)
+        out.index_copy_(0, rows, part)
+    return out
+
+
+def _shape(store, spans) -> tuple:
+    """What stores attended together share: the padded width (their longest head), the generated
+    rows and the element types (``spans``: the store's heads as (offset, length))."""
+    return max((length for _, length in spans), default=0), store.n_gen, store.keys.dtype, store.values.dtype
+
+
+def _together(q, stores, spans, scale):
+    """:func:`batched_decode_attention_torch` of stores of one :func:`_shape` (``q``: their heads)."""
+    rows, group, d = q.shape
+    scale = d ** -0.5 if scale is None else float(scale)
+    width, n_gen, key_type, value_type = _shape(stores[0], spans[0])
+    qk = q.to(key_type)
+    # [prompt rows | padding | generated rows] of every head; the padding stays -inf (weight 0)
+    scores = torch.full((rows, group, width + n_gen), float("-inf"), dtype=key_type, device=q.device)
+    for s, heads, at in _walk(stores, spans):
+        for h, (offset, length) in enumerate(heads):
+            scores[at + h, :, :length].addmm_(qk[at + h], s.keys[offset:offset + length].T, beta=0)
+        if n_gen:
+            torch.bmm(qk[at:at + len(heads)], s.gen_k[:, :n_gen].transpose(1, 2),
+                      out=scores[at:at + len(heads), :, width:])
+    p = torch.softmax(scores.float().mul_(scale), dim=-1).to(value_type)
+    out = torch.empty(rows, group, d, dtype=value_type, device=q.device)
+    gen = torch.empty_like(out) if n_gen else None
+    for s, heads, at in _walk(stores, spans):
+        for h, (offset, length) in enumerate(heads):
+            torch.mm(p[at + h, :, :length], s.values[offset:offset + length], out=out[at + h])
+        if n_gen:
+            torch.bmm(p[at:at + len(heads), :, width:], s.gen_v[:, :n_gen], out=gen[at:at + len(heads)])
+    out = out.float()
+    return (out if gen is None else out.add_(gen.float())).to(q.dtype)
+
+
+def _walk(stores, spans):
+    """Each store with its heads' (offset, length) and its first row in the group."""
+    at = 0
+    for s, heads in zip(stores, spans):
+        yield s, heads, at
+        at += len(heads)
