@@ -4,7 +4,7 @@ No GPU needed: each kernel is compiled for an H100/H200 (``sm_90a``) with Triton
 ``ptxas``, and ``ptxas -v`` reports its registers, stack frame and spills.
 
 The launches are the dispatchers' own: every launcher (decode attention, chunk top-k, 2-bit key
-scores, gather, the batched retrieval) runs on ``meta`` tensors of the real shapes with its
+scores, candidate re-ranking, gather, the batched retrieval) runs on ``meta`` tensors of the real shapes with its
 kernels swapped for recorders, so the block sizes, warps and integer specialisations compiled
 here are those a CUDA run would pick (the SM count is an H200's, 132). Then each distinct
 specialisation is compiled once, in a child process with a time limit.
@@ -13,7 +13,8 @@ Geometry: 28 layers (one layer's launches; every layer launches the same), 4 KV 
 heads per KV head, d = 128, bf16; prompts of 8k / 32k / 64k tokens at budgets b = 0.1 / 0.2;
 a single sequence and a batch of 8 (the ``TABLE``-mode kernels). Slots per dynamic head: the
 allocator's 540 / 1,353 at 8k and 2,210 / 5,461 at 32k (b = 0.1 / 0.2), twice the 32k ones at
-64k; 2-bit keys rank single-token chunks (C = N candidates), int8 mean keys chunks of 16.
+64k; 2-bit keys rank single-token chunks (C = N candidates), int8 mean keys chunks of 16; label
+keys rank single tokens in two stages (4 candidates a slot, then every channel's 2-bit keys).
 
     python benchmarks/kernel_resources.py                 # writes docs/kernel_resources.{json,md}
     python benchmarks/kernel_resources.py --prompts 8192 --out /tmp/kr   # a subset elsewhere
@@ -54,6 +55,7 @@ BATCHES = (1, 8)
 SLOTS = {(8192, 0.1): 540, (8192, 0.2): 1353, (32768, 0.1): 2210, (32768, 0.2): 5461,
          (65536, 0.1): 4420, (65536, 0.2): 10922}
 MEAN_CHUNK = 16  # int8 mean-key landmarks: tokens per chunk
+CANDIDATES = 4  # label keys: stage-1 candidates per slot (hybridkv_cli's LabelKeys)
 N_GEN = 64  # generated rows attended beside the store
 SMS = 132  # H200
 GOAL_COMPILE_S = 15.0
@@ -83,7 +85,7 @@ def recording(log: list):
 
     swapped = []
     try:
-        for path in sorted((ROOT / "kernels").glob("_*_triton.py")):
+        for path in sorted((ROOT / "hybridkv_kernels").glob("_*_triton.py")):
             module = load_triton_module(path.stem)
             for name, value in list(vars(module).items()):
                 if name.endswith("_kernel") and type(value).__name__ == "JITFunction":
@@ -169,6 +171,21 @@ def retrieval_launches(tokens: int, budget: float, batch: int, chunk: int) -> No
     cg._launch(host, host, store, store, _meta(heads, dtype=torch.int64), resident, resident)
 
 
+def label_launches(tokens: int, budget: float) -> None:
+    """A layer's two-stage ranking of single tokens (label keys): the label channels' 2-bit keys
+    (a quarter of the channels) pick 4 candidates a slot, then every channel's 2-bit keys
+    (token-major, host) keep a slot's worth. A batch ranks member by member with the same launches:
+    recorded for a single sequence only."""
+    ck, ct, qk = (importlib.import_module(f"hybridkv_kernels.{m}")
+                  for m in ("candidate_keys", "chunk_topk", "quant_keys"))
+    n = SLOTS[(tokens, budget)]
+    labels, u8, f32 = D // 4, torch.uint8, torch.float32
+    candidates = ct.launch_topk(qk.launch_scores(_meta(H_KV, G, labels), _meta(H_KV, labels // 4, tokens, dtype=u8),
+                                                 _meta(H_KV, 2, labels, dtype=f32), 1), min(tokens, CANDIDATES * n))
+    ct.launch_topk(ck.launch_candidate_scores(_meta(H_KV, G, D), _meta(H_KV, tokens, D // 4, dtype=u8),
+                                              _meta(H_KV, 2, D, dtype=f32), candidates), n)
+
+
 def refresh_launches(tokens: int, budget: float) -> None:
     """A layer's refresh of its pruned heads (rcr defaults: half the KV heads, c = 256 moving slots,
     4c candidates, detector rank 8), then the gather of what it re-selects. A batch refreshes
@@ -203,6 +220,7 @@ def record(shape: dict) -> list:
              f"mean keys, c={MEAN_CHUNK}": lambda: retrieval_launches(shape["tokens"], shape["budget"],
                                                                       shape["batch"], MEAN_CHUNK)}
     if shape["batch"] == 1:
+        paths["label keys, two-stage"] = lambda: label_launches(shape["tokens"], shape["budget"])
         paths["refresh (rcr)"] = lambda: refresh_launches(shape["tokens"], shape["budget"])
     out: list = []
     for path, launch in paths.items():
@@ -330,7 +348,7 @@ def all_kernels() -> list[str]:
     with recording(log) as _:
         from hybridkv_kernels.dispatch import load_triton_module
 
-        return sorted(f"{p.stem}.{name}" for p in (ROOT / "kernels").glob("_*_triton.py")
+        return sorted(f"{p.stem}.{name}" for p in (ROOT / "hybridkv_kernels").glob("_*_triton.py")
                       for name, v in vars(load_triton_module(p.stem)).items() if type(v).__name__ == "_Recorder")
 
 

@@ -42,6 +42,9 @@ VARIANTS = {
     "hkv-detector": ("hybridkv", {"landmark": "detector"}),
     "hkv-minmax": ("hybridkv", {"landmark": "minmax"}),
     "hkv-sink": ("hybridkv", {"sink_aware": True}),
+    "hkv-labels": ("hybridkv", {"landmark": "labels"}),  # label channels chosen from the prompt
+    # SmolLM2's label file: hybridkv calibrate --model smollm2 --dtype bfloat16 --tasks text_dev2.jsonl
+    "hkv-labels-file": ("hybridkv", {"landmark": "labels", "index_file": "benchmarks/labels/smollm2.json"}),
     "hkv-rcr-sink-0.8": ("hybridkv", {"refresh": "rcr", "sink_aware": True, "refresh_rate": 0.8}),
     "hkv-rcr-sink-t99": ("hybridkv", {"refresh": "rcr", "sink_aware": True, "theta": 0.99}),
     "hkv-dyn-detector": ("hybridkv", {"theta": 1.0, "landmark": "detector"}),

@@ -11,6 +11,7 @@ import typer
 
 from hybridkv_cli.commands.ask import ask
 from hybridkv_cli.commands.bench import bench
+from hybridkv_cli.commands.calibrate import calibrate
 from hybridkv_cli.commands.compress import compress
 from hybridkv_cli.commands.options import ASK_HELP, BENCH_HELP, COMPRESS_HELP
 from hybridkv_cli.commands.profile import profile
@@ -42,6 +43,7 @@ app.command()(_stoppable(profile))
 app.command(help=BENCH_HELP)(_stoppable(bench))
 app.command(help=COMPRESS_HELP)(_stoppable(compress))
 app.command()(_stoppable(route))
+app.command()(_stoppable(calibrate))
 
 
 @app.command()

@@ -131,8 +131,8 @@ def bad_files(good: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
         "version": (rewrite_header(good, tmp / "version.hkv", library_version="0.0.1"),
                     f"written by hybridkv 0.0.1, this is {hkv.library_version()}; compress the media again"),
         "format": (rewrite_header(good, tmp / "format.hkv", format_version=1),
-                   "the cache format changed: this file is format 1, this hybridkv reads format 2; compress the "
-                   "media again"),
+                   f"the cache format changed: this file is format 1, this hybridkv reads format {hkv.FORMAT_VERSION}; "
+                   "compress the media again"),
         "header": (header_edited(good, tmp / "header.hkv"), "corrupt cache file (checksum mismatch)"),
         "model": (rewrite_header(good, tmp / "model.hkv", model={"name": "other-model", "config_sha256": "0"}),
                   "compressed with model other-model, not demo; pass --model other-model or compress again"),

@@ -46,7 +46,7 @@ def test_kernels_compile_without_spills_at_64k(tmp_path):
     assert not unmeasured, f"no path of benchmarks/kernel_resources.py launches {unmeasured}: add one"
     assert {"ragged_decode_stage1_kernel", "merge_splits_kernel", "quant_key_scores_kernel", "chunk_scores_kernel",
             "topk_select_kernel", "gather_plan_kernel", "chunk_gather_kernel", "refresh_scores_kernel",
-            "refresh_trigger_kernel", "refresh_candidates_kernel"} <= kernels, kernels
+            "refresh_trigger_kernel", "refresh_candidates_kernel", "candidate_scores_kernel"} <= kernels, kernels
     assert not report["summary"]["errors"], report["summary"]["errors"]
     for r in rows:
         assert r["stack_bytes"] == 0 and r["spill_store_bytes"] == 0, r

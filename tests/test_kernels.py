@@ -361,13 +361,14 @@ def _run(args, env_extra, timeout, cwd=ROOT):
 
 
 def test_import_without_triton_and_no_toplevel_kernels(tmp_path):
-    """Outside the repo (so the folder itself is not on sys.path): the installed package is
-    ``hybridkv_kernels`` only, and imports and runs its torch paths with triton missing."""
+    """Outside the repo: the installed package is ``hybridkv_kernels`` only (no top-level
+    ``kernels``), and imports and runs its torch paths with triton missing."""
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` fail
         "import importlib.util, torch, hybridkv_kernels as hk\n"
         "spec = importlib.util.find_spec('kernels')\n"
         f"assert spec is None or not str(spec.origin).startswith({str(ROOT)!r}), spec\n"
+        f"assert hk.__file__.startswith({str(ROOT / 'hybridkv_kernels')!r}), hk.__file__\n"
         "assert not hk.HAS_TRITON\n"
         "q = torch.randn(2, 3, 16); kv = torch.randn(10, 16)\n"
         "o = hk.ragged_decode_attention(q, kv, kv, torch.tensor([0, 5]), torch.tensor([5, 5]))\n"

@@ -35,7 +35,10 @@ CHUNK = typer.Option(None, help="HybridKV: tokens per retrieval chunk [default: 
 SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: score heads without the first 4 "
                           "tokens (attention sinks) [default: the method's].")
 LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: keys (every token's key at 2 bits) | "
-                        "minmax | mean | detector [default: keys].")
+                        "labels (a quarter of the channels at 2 bits, then the candidates' 2-bit keys from the "
+                        "host: half the device bytes) | minmax | mean | detector [default: keys].")
+INDEX_FILE = typer.Option(None, metavar="FILE", help="hybridkv --landmark labels: the label file of this model "
+                          "(hybridkv calibrate) [default: label channels chosen from the prompt].")
 REFRESH = typer.Option(None, help="hybridkv (static heads) / rcr: refresh while decoding: rcr | periodic | none "
                        "[default: the method's].")
 REFRESH_RATE = typer.Option(None, help="rcr refresh: target share of layer-steps that "
@@ -156,8 +159,10 @@ _FLAGS = {
     "refresh_period": (Optional[int], REFRESH_PERIOD), "refresh_slots": (Optional[int], REFRESH_SLOTS),
     "sinks": (Optional[int], SINKS), "page_size": (Optional[int], PAGE_SIZE),
     "head_scores": (Optional[str], HEAD_SCORES), "route": (Optional[str], ROUTE),
+    "index_file": (Optional[str], INDEX_FILE),
 }
-HYBRIDKV_OPTIONS = ("window", "theta", "sparsity_topk", "share", "chunk_size", "sink_aware", "landmark", "refresh",
+HYBRIDKV_OPTIONS = ("window", "theta", "sparsity_topk", "share", "chunk_size", "sink_aware", "landmark", "index_file",
+                    "refresh",
                     "refresh_rate", "refresh_period", "refresh_slots")
 ALL_OPTIONS = tuple(_FLAGS)
 

@@ -12,7 +12,8 @@ from hybridkv_cli.compression.allocate import LayerPlan, plan_layer
 from hybridkv_cli.compression.base import Compressed, LayerKV, PrefillLayer, check_choice
 from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.classify import classify_static
-from hybridkv_cli.compression.landmarks import LANDMARKS
+from hybridkv_cli.compression.labels import channel_weights, choose_labels, layer_labels, load_label_file
+from hybridkv_cli.compression.landmarks import LANDMARKS, label_count
 from hybridkv_cli.compression.refresh import (RateController, Refresher, RefreshOptions, RefreshPolicy, refresh_summary,
                                               split_slots)
 from hybridkv_cli.compression.registry import register
@@ -91,8 +92,10 @@ class HybridKV(RefreshPolicy):
         Tokens per retrieval chunk; None: :meth:`chunk_for` (1 with 2-bit keys).
     alpha : float
         Floor of a static head's budget, as a share of the static average (Ada-KV safeguard).
-    landmark : {"keys", "minmax", "mean", "detector"}
+    landmark : {"keys", "labels", "minmax", "mean", "detector"}
         How dynamic heads rank their chunks (:mod:`~hybridkv_cli.compression.landmarks`).
+        ``labels`` ranks in two stages for a sixty-fourth of a bf16 head's KV on the device
+        (label channels, then 2-bit keys read from the host for the candidates).
         ``keys`` (every token's key at 2 bits per channel): on the text dev splits at b = 0.1 it
         answers 20 of 26 retrieval rows where min/max bounds answer 7 and the full cache 18 (a
         bound or a mean over a chunk blurs the one token a copy needs); every video dev needle,
@@ -108,6 +111,9 @@ class HybridKV(RefreshPolicy):
     refresh_slots : int
         c: most slots of a refreshed head that move; the rest keep the best of the prefill
         selection (bounds the cost of a refresh at long prompts).
+    index_file : str, optional
+        A label file (``hybridkv calibrate``) giving the label channels of ``landmark="labels"``;
+        without one they are chosen from the prompt (:mod:`~hybridkv_cli.compression.labels`).
     """
 
     window: int = 16
@@ -118,10 +124,21 @@ class HybridKV(RefreshPolicy):
     chunk_size: int | None = None
     alpha: float = 0.2
     landmark: str = "keys"
+    index_file: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("landmark", self.landmark, LANDMARKS)
+        self._label_weights = load_label_file(self.index_file) if self.index_file else None
+
+    def _labels(self, layer: PrefillLayer) -> torch.Tensor | None:
+        """Every head's label channels [H, K] (``landmark="labels"``), else None."""
+        if self.landmark != "labels":
+            return None
+        count = label_count(layer.keys.shape[-1])
+        if self._label_weights is None:
+            return choose_labels(channel_weights(layer), count)
+        return layer_labels(self._label_weights, layer, count, self.index_file)
 
     def chunk_for(self, budget: Budget) -> int:
         """The chunk size for a layer's ``budget``. With 2-bit keys every token is ranked on
@@ -132,7 +149,7 @@ class HybridKV(RefreshPolicy):
         more context around each hit at half the landmark bytes (the text dev split)."""
         if self.chunk_size:
             return self.chunk_size
-        if self.landmark == "keys":
+        if self.landmark in ("keys", "labels"):
             return 1
         room = self.share * budget.per_head - budget.window(self.window)
         return 16 if room >= 2 * 16 else 8
@@ -197,6 +214,7 @@ class HybridKV(RefreshPolicy):
             retrieval = DynamicHeads.offload(
                 layer.keys, layer.values, dynamic.nonzero().flatten(), store,
                 chunks=plan.chunks, chunk=chunk, num_chunks=num_chunks, landmark=self.landmark,
+                channels=self._labels(layer),
             )
         refresher = None
         if refreshed.any():
@@ -241,6 +259,8 @@ class HybridKV(RefreshPolicy):
             "window": [r.window for r in layers],
             "retrieval_fallback_layers": sum(r.fallback for r in layers),
             "landmark": self.landmark,
+            **({"label_channels": f"file {self.index_file}" if self.index_file else
+                "from the prompt (no --index-file)"} if self.landmark == "labels" else {}),
             "sink_aware": self.sink_aware,
             "refresh": refresh_summary(self.refresh, self.refresh_rate, [r.refresher for r in layers]),
         }

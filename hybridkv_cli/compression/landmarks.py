@@ -13,6 +13,10 @@ for a query; they differ in how sharply one strongly matching token inside a chu
 * ``keys``: every token's key at 2 bits per channel (:class:`QuantKeys`); score = the chunk's
   best token. ``d/4`` bytes a token (1/32 of its fp32 KV, 1/16 of its bf16 KV), sharp enough
   to rank single tokens: with 1- or 2-token chunks it keeps what exact top-k attention keeps.
+* ``labels``: two stages (:class:`LabelKeys`). A quarter of the channels ("labels", chosen per
+  head from calibration prose or from the prompt) at 2 bits on the device pick ``CANDIDATES·n``
+  tokens; every channel at 2 bits, in host memory, ranks those. The device pays ``d/8`` bytes a
+  token (1/64 of its bf16 KV); a step reads ``d/4`` bytes per candidate from the host.
 """
 
 from __future__ import annotations
@@ -22,10 +26,16 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv_cli.compression.detector import LowRankKeys
-from hybridkv_cli.compression.store import tensor_bytes
-from hybridkv_kernels import chunk_topk, pack_keys, quant_key_topk
+from hybridkv_cli.compression.store import tensor_bytes, to_host
+from hybridkv_kernels import candidate_key_topk, chunk_topk, pack_keys, pack_keys_by_token, quant_key_topk
 
 DETECTOR_RANK = 8
+CANDIDATES = 4  # label-ranked candidates per retrieved token (the oracle's factor, benchmarks/index_bounds.py)
+
+
+def label_count(dim: int) -> int:
+    """Label channels per head: a quarter of them (at 2 bits, 1/64 of a bf16 key and value)."""
+    return max(4, dim // 4)
 
 
 def quantize_landmarks(landmarks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,4 +173,50 @@ class QuantKeys:
         return tensor_bytes(self.codes, self.bounds)
 
 
-LANDMARKS = {"keys": QuantKeys, "minmax": MinMaxLandmarks, "mean": MeanLandmarks, "detector": TokenDetector}
+@dataclass
+class LabelKeys:
+    """Two-stage ranking of single tokens (Double Sparsity's label channels, then 2-bit keys).
+
+    ``channels`` [H, K] are each head's label channels; ``codes``/``bounds`` their keys at 2 bits
+    (:func:`pack_keys`, device); ``host_codes``/``host_bounds`` every channel at 2 bits, token
+    after token (:func:`pack_keys_by_token`: a candidate's bytes are contiguous; host memory,
+    pinned on CUDA, read in place by the Triton path)."""
+
+    channels: torch.Tensor  # int64 [H, K]
+    codes: torch.Tensor  # uint8 [H, K/4, P]
+    bounds: torch.Tensor  # [H, 2, K] fp32
+    host_codes: torch.Tensor  # uint8 [H, P, d/4], host
+    host_bounds: torch.Tensor  # [H, 2, d] fp32, device
+
+    @classmethod
+    def build(cls, chunks: torch.Tensor, channels: torch.Tensor) -> "LabelKeys":
+        heads, num_chunks, chunk, dim = chunks.shape
+        keys = chunks.reshape(heads, num_chunks * chunk, dim)
+        codes, bounds = pack_keys(keys.gather(2, channels[:, None].expand(-1, keys.shape[1], -1)))
+        host_codes, host_bounds = pack_keys_by_token(keys)
+        return cls(channels, codes, bounds, to_host(host_codes), host_bounds)
+
+    @staticmethod
+    def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
+        labels = label_count(dim)
+        return heads * (num_chunks * chunk * labels // 4 + 2 * labels * 4 + 8 * labels + 2 * dim * 4)
+
+    def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
+        labelled = query.gather(2, self.channels[:, None].expand(-1, query.shape[1], -1))
+        candidates = quant_key_topk(labelled, self.codes, self.bounds, 1, CANDIDATES * n)
+        return candidate_key_topk(query, self.host_codes, self.host_bounds, candidates, n)
+
+    def read_bytes(self, n: int) -> int:
+        """Host bytes one step's second stage reads for ``n`` retrieved tokens a head."""
+        heads, tokens, quarter = self.host_codes.shape
+        return heads * min(tokens, CANDIDATES * n) * quarter
+
+    def device_bytes(self) -> int:
+        return tensor_bytes(self.channels, self.codes, self.bounds, self.host_bounds)
+
+    def host_bytes(self) -> int:
+        return tensor_bytes(self.host_codes)
+
+
+LANDMARKS = {"keys": QuantKeys, "minmax": MinMaxLandmarks, "mean": MeanLandmarks, "detector": TokenDetector,
+             "labels": LabelKeys}

@@ -91,6 +91,7 @@ CHECKS = {
     "chunk_size": _int_in(1),
     "sink_aware": _bool,
     "landmark": _choice_text,
+    "index_file": _path,
     "refresh": _choice_text,
     "refresh_rate": _float_in(0.0, 1.0),
     "refresh_period": _int_in(1),

@@ -57,6 +57,7 @@ class MethodOptions:
     chunk_size: int | None = None
     sink_aware: bool | None = None
     landmark: str | None = None
+    index_file: str | None = None
     refresh: str | None = None
     refresh_rate: float | None = None
     refresh_period: int | None = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv_cli.compression.landmarks import LANDMARKS, MeanLandmarks
+from hybridkv_cli.compression.landmarks import LANDMARKS, LabelKeys, MeanLandmarks
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
 from hybridkv_kernels import RetrievalPart, RetrievalTable, chunk_gather, chunk_retrieve
 
@@ -28,7 +28,7 @@ class DynamicHeads:
         Which KV heads of the layer are dynamic.
     host_k, host_v : Tensor [H_dyn, C, chunk, d]
         The offloaded prompt KV (host memory, pinned on CUDA).
-    landmarks : QuantKeys | MinMaxLandmarks | MeanLandmarks | TokenDetector
+    landmarks : QuantKeys | LabelKeys | MinMaxLandmarks | MeanLandmarks | TokenDetector
         What ranks the chunks (device).
     slot_base : LongTensor [H_dyn]
         Store row of each dynamic head's first slot.
@@ -49,19 +49,20 @@ class DynamicHeads:
     @classmethod
     def offload(
         cls, keys, values, heads: torch.Tensor, store: RaggedStore, *, chunks: int, chunk: int, num_chunks: int,
-        landmark: str = "mean",
+        landmark: str = "mean", channels: torch.Tensor | None = None,
     ) -> "DynamicHeads":
         """Move the first ``num_chunks * chunk`` prompt positions of ``heads`` to the host and
         build their landmarks.
 
         ``keys``/``values`` are the layer's full prompt KV [H, N, d]; ``store`` already reserves
-        ``chunks * chunk`` slot rows at the start of each dynamic head's segment.
+        ``chunks * chunk`` slot rows at the start of each dynamic head's segment; ``channels``
+        [H, K] are the label channels of every head (``landmark="labels"``).
         """
         dim = keys.shape[-1]
         span = num_chunks * chunk
         k = keys[heads, :span].reshape(len(heads), num_chunks, chunk, dim)
         v = values[heads, :span].reshape(len(heads), num_chunks, chunk, dim)
-        landmarks = LANDMARKS[landmark].build(k)
+        landmarks = LabelKeys.build(k, channels[heads]) if landmark == "labels" else LANDMARKS[landmark].build(k)
         host_k, host_v = to_host(k), to_host(v)
         resident = torch.full((len(heads), chunks), -1, dtype=torch.long, device=keys.device)
         return cls(heads, host_k, host_v, landmarks, store.offsets[heads].clone(), resident)
@@ -77,6 +78,8 @@ class DynamicHeads:
         if self.resident.shape[1] == 0:
             return
         want = self.landmarks.top(query[self.heads], self.resident.shape[1])
+        if isinstance(self.landmarks, LabelKeys):  # the second stage's reads of host codes
+            self.transferred.add_(self.landmarks.read_bytes(self.resident.shape[1]))
         chunk_gather(self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want, backend,
                      self.transferred)
 
@@ -116,7 +119,8 @@ class DynamicHeads:
         return self.landmarks.device_bytes() + tensor_bytes(self.heads, self.slot_base, self.resident)
 
     def host_bytes(self) -> int:
-        return tensor_bytes(self.host_k, self.host_v)
+        marks = self.landmarks.host_bytes() if isinstance(self.landmarks, LabelKeys) else 0
+        return tensor_bytes(self.host_k, self.host_v) + marks
 
     def transferred_bytes(self) -> int:
         return int(self.transferred)

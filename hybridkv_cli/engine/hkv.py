@@ -40,7 +40,7 @@ from hybridkv_cli.models.prompt import QuestionTemplate
 
 SUFFIX = ".hkv"
 FORMAT = "hybridkv-cache"
-FORMAT_VERSION = 2  # 2: kinds from a fixed table, the header under the checksum
+FORMAT_VERSION = 3  # 2: kinds from a fixed table, the header under the checksum; 3: label landmarks
 _META_KEY = "hybridkv"
 _EXTRA = ("visual", "rope_deltas")
 

@@ -27,7 +27,7 @@ from hybridkv_cli.compression.base import Policy
 from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_cli.compression.full import Full
 from hybridkv_cli.compression.hybridkv import HybridKV, HybridLayerKV, LayerRecord
-from hybridkv_cli.compression.landmarks import MeanLandmarks, MinMaxLandmarks, QuantKeys, TokenDetector
+from hybridkv_cli.compression.landmarks import LabelKeys, MeanLandmarks, MinMaxLandmarks, QuantKeys, TokenDetector
 from hybridkv_cli.compression.lookm import LookM
 from hybridkv_cli.compression.madakv import MadaKV, ModalityPlan
 from hybridkv_cli.compression.quest import Quest, QuestLayerKV
@@ -55,6 +55,7 @@ KINDS: dict[str, tuple[type, dict[str, object]]] = {
     "RefreshOptions": (RefreshOptions, {}),
     "LowRankKeys": (LowRankKeys, {}),
     "QuantKeys": (QuantKeys, {}),
+    "LabelKeys": (LabelKeys, {}),
     "MeanLandmarks": (MeanLandmarks, {}),
     "MinMaxLandmarks": (MinMaxLandmarks, {}),
     "TokenDetector": (TokenDetector, {}),
@@ -64,7 +65,7 @@ KINDS: dict[str, tuple[type, dict[str, object]]] = {
     "LayerPlan": (LayerPlan, {}),
     "ModalityPlan": (ModalityPlan, {}),
     "Full": (Full, {}),
-    "HybridKV": (HybridKV, {}),
+    "HybridKV": (HybridKV, {"_label_weights": list | None}),
     "RCR": (RCR, {}),
     "SnapKV": (SnapKV, {}),
     "LookM": (LookM, {}),
@@ -181,6 +182,17 @@ def _check_landmarks(marks, n: int, chunks: int, chunk: int, dim: int) -> None:
         _need(marks.chunk == chunk, "key landmarks of another chunk size")
         _tensor(marks.codes, "key codes", (n, dim // 4, chunks * chunk), torch.uint8)
         _tensor(marks.bounds, "key bounds", (n, 2, dim), torch.float32)
+    elif isinstance(marks, LabelKeys):
+        _need(chunk == 1, "label landmarks of chunks longer than a token")
+        labels = marks.channels.shape[-1] if isinstance(marks.channels, Tensor) and marks.channels.dim() == 2 else 0
+        _tensor(marks.channels, "label channels", (n, labels), torch.int64)
+        _need(0 < labels <= dim and labels % 4 == 0, "label channel count")
+        _within(marks.channels, 0, dim, "label channels")
+        _tensor(marks.codes, "label codes", (n, labels // 4, chunks), torch.uint8)
+        _tensor(marks.bounds, "label bounds", (n, 2, labels), torch.float32)
+        _tensor(marks.host_codes, "host key codes", (n, chunks, dim // 4), torch.uint8)
+        _need(marks.host_codes.device.type == "cpu", "host key codes not in host memory")
+        _tensor(marks.host_bounds, "host key bounds", (n, 2, dim), torch.float32)
     elif isinstance(marks, MeanLandmarks):
         _tensor(marks.codes, "mean landmarks", (n, chunks, dim), torch.int8)
         _tensor(marks.scale, "mean landmark scales", (n, chunks))

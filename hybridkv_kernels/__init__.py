@@ -8,17 +8,20 @@ Public ops (each takes ``backend="auto" | "torch" | "triton"``, see :mod:`.dispa
 - :func:`chunk_topk` -- landmark scores (max over the query group) and top-k chunk ids.
 - :func:`quant_key_topk` -- the same from every token's key at 2 bits per channel
   (:func:`pack_keys`): a chunk scores as its best token.
+- :func:`candidate_key_topk` -- re-rank stage 1's candidate tokens by their 2-bit keys, kept
+  token-major in (pinned) host memory (:func:`pack_keys_by_token`) and read there in place.
 - :func:`chunk_gather` -- load missing chunks from the host store into device slots.
 - :func:`chunk_retrieve` -- both, for the dynamic heads of several sequences in one pass.
 - :func:`refresh_want` -- the refresh of pruned heads on the device (drift, trigger, re-selection).
 - :func:`window_scores` -- causal window attention + max-pooled scores (prefill; torch only).
 
-The folder ships as ``hybridkv_kernels`` (setuptools ``package-dir``): there is deliberately
-no top-level ``kernels`` import, which transformers would take for the hub-kernels library.
+There is deliberately no top-level ``kernels`` import, which transformers would take for the
+hub-kernels library.
 triton is optional: nothing here imports it until a Triton kernel is first used.
 """
 
 from .batched_retrieval import RetrievalPart, RetrievalTable, chunk_retrieve, retrieval_table
+from .candidate_keys import candidate_key_scores_torch, candidate_key_topk, pack_keys_by_token
 from .chunk_gather import chunk_gather, chunk_gather_torch, chunk_gather_triton, gather_plan
 from .chunk_topk import chunk_scores_torch, chunk_topk, chunk_topk_torch, chunk_topk_triton
 from .decode_attention import (
@@ -42,6 +45,8 @@ __all__ = [
     "RetrievalTable",
     "SegmentTable",
     "batched_decode_attention",
+    "candidate_key_scores_torch",
+    "candidate_key_topk",
     "HAS_TRITON",
     "chunk_gather",
     "chunk_gather_torch",
@@ -57,6 +62,7 @@ __all__ = [
     "emulating_cuda",
     "gather_plan",
     "pack_keys",
+    "pack_keys_by_token",
     "quant_key_scores_torch",
     "quant_key_topk",
     "ragged_decode_attention",

@@ -73,6 +73,7 @@ KERNELS = {
     "_chunk_topk_triton": ("chunk_scores_kernel", "topk_select_kernel"),
     "_chunk_gather_triton": ("gather_plan_kernel", "chunk_gather_kernel"),
     "_quant_keys_triton": ("quant_key_scores_kernel",),
+    "_candidate_keys_triton": ("candidate_scores_kernel",),
     "_refresh_triton": ("refresh_scores_kernel", "refresh_trigger_kernel", "refresh_candidates_kernel"),
 }
 

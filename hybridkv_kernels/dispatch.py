@@ -169,7 +169,7 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
 
 
 def load_triton_module(name: str) -> ModuleType:
-    """Import the kernel module ``kernels/<name>.py`` (its ``@triton.jit`` code) on first use.
+    """Import the kernel module ``hybridkv_kernels/<name>.py`` (its ``@triton.jit`` code) on first use.
 
     Parameters
     ----------
