@@ -109,7 +109,8 @@ def summarise(items: list[dict], reference: dict[str, list[dict]] | None) -> dic
     if reference is not None:
         ref = {i["id"]: i for i in reference}
         key = "correct" if acc else "fidelity"
-        pairs = [(float(i[key]), float(ref[i["id"]][key])) for i in items if i[key] is not None]
+        pairs = [(float(i[key]), float(ref[i["id"]][key])) for i in items  # the rows both measured
+                 if i[key] is not None and i["id"] in ref]
         out["diff_vs_reference"] = paired_diff_ci([a for a, _ in pairs], [b for _, b in pairs])
     return out
 
@@ -124,7 +125,8 @@ def main() -> None:
     parser.add_argument("--reference", help="variant the paired differences are taken against")
     parser.add_argument("--kinds", help="only these row kinds (comma-separated)")
     parser.add_argument("--rows", help="only rows START:END (after --kinds), e.g. to split a run over processes")
-    parser.add_argument("--merge", nargs="+", type=Path, help="tabulate the items of earlier --out files instead")
+    parser.add_argument("--merge", nargs="+", type=Path, help="tabulate the items of earlier --out files instead "
+                        "(every variant of each; a row measured by two of them counts once)")
     parser.add_argument("--dtype", default="auto", help="the model's dtype (auto: float32 on the CPU)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="rows without their own max_new_tokens")
     parser.add_argument("--defer-question", action="store_true",
@@ -133,9 +135,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.merge:
         runs = [json.loads(path.read_text()) for path in args.merge]
-        items = {key: [i for run in runs for i in run["items"].get(key, [])] for key in runs[0]["items"]}
-        return report(items, args, {"tasks": runs[0]["tasks"], "model": runs[0]["model"],
-                                    "budgets": runs[0]["budgets"], "variants": runs[0]["variants"]})
+        items: dict[str, dict] = {}  # every variant of every run; a row two runs measured counts once
+        for run in runs:
+            for key, rows in run["items"].items():
+                for row in rows:
+                    items.setdefault(key, {}).setdefault(row["id"], row)
+        return report({key: list(rows.values()) for key, rows in items.items()}, args, {
+            "tasks": runs[0]["tasks"], "model": runs[0]["model"], "dtype": runs[0].get("dtype"),
+            "budgets": sorted({b for run in runs for b in run["budgets"]}),
+            "variants": {k: v for run in runs for k, v in run["variants"].items()},
+            "defer_question": runs[0].get("defer_question", False)})
     loaded = load_model(args.model, device="cpu", dtype=args.dtype)
     pairs = task_rows(args.tasks)
     if args.kinds:

