@@ -57,6 +57,17 @@ def test_saved_and_reloaded_cache_answers_the_same(demo, video, method, tmp_path
         assert tokens(demo, loaded, q) == tokens(demo, prefix, q), (method, q)
 
 
+def test_label_landmarks_save_and_reload(demo, video, tmp_path):
+    """The label index (device codes, host codes in host memory) round-trips and answers the same."""
+    prefix = make_prefix(demo, video, "hybridkv", budget=0.05, theta=1.0, landmark="labels")
+    path = tmp_path / "labels.hkv"
+    hkv.save(path, prefix, demo)
+    loaded = hkv.load(path, demo)
+    marks = loaded.state[0][0].dynamic.landmarks
+    assert type(marks).__name__ == "LabelKeys" and marks.host_codes.device.type == "cpu"
+    assert tokens(demo, loaded, QUESTIONS[0]) == tokens(demo, prefix, QUESTIONS[0])
+
+
 @pytest.mark.parametrize("method", sorted(set(METHODS) - {"full"}))
 def test_reloaded_at_budget_one_equals_full(demo, video, method, tmp_path):
     full = make_prefix(demo, video, "full")
