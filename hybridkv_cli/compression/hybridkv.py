@@ -186,7 +186,7 @@ class HybridKV(RefreshPolicy):
         """The layer's allocation and window after paying for side structures. With the label index
         (the tight budgets) the window takes at most a quarter of a head's entries, else half: at
         b = 0.05 a 16-token window left a dynamic head 17 retrieval slots of 33, and with 8 the
-        text dev split's 1k rows went from 2 of 8 to 6."""
+        text dev split's first 8 rows went from 2 to 6 answers."""
         target = budget.entries(self._overhead(layer, budget, static, refreshed, chunk, landmark))
         window = budget.window(self.window, target / layer.num_heads / (2 if landmark == "labels" else 1))
         plan = plan_layer(pooled, static, target=target, window=window, share=self.share,
