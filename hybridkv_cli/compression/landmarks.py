@@ -69,8 +69,20 @@ def top_ids(scores: torch.Tensor, n: int) -> torch.Tensor:
     return scores.topk(min(n, scores.shape[1]), dim=1).indices.sort(dim=1).values
 
 
+class Landmarks:
+    """What every landmark kind shares: what it keeps in host memory and what a step reads from
+    there (none but the label index's second stage)."""
+
+    def host_bytes(self) -> int:
+        return 0
+
+    def read_bytes(self, n: int) -> int:
+        """Host bytes one step reads to rank for ``n`` slots a head."""
+        return 0
+
+
 @dataclass
-class MeanLandmarks:
+class MeanLandmarks(Landmarks):
     codes: torch.Tensor  # int8 [H, C, d]
     scale: torch.Tensor  # [H, C]
 
@@ -95,7 +107,7 @@ class MeanLandmarks:
 
 
 @dataclass
-class MinMaxLandmarks:
+class MinMaxLandmarks(Landmarks):
     low: torch.Tensor  # int8 [H, C, d]
     high: torch.Tensor
     low_scale: torch.Tensor  # [H, C]
@@ -121,7 +133,7 @@ class MinMaxLandmarks:
 
 
 @dataclass
-class TokenDetector:
+class TokenDetector(Landmarks):
     keys: LowRankKeys
     chunk: int
 
@@ -143,7 +155,7 @@ class TokenDetector:
 
 
 @dataclass
-class QuantKeys:
+class QuantKeys(Landmarks):
     """Every token's key at 2 bits per channel (:func:`hybridkv_kernels.pack_keys`): one range
     per channel of a head, over the prompt (channels differ in spread far more than tokens do,
     as in KIVI's per-channel key quantisation); a chunk scores as its best token."""
@@ -174,7 +186,7 @@ class QuantKeys:
 
 
 @dataclass
-class LabelKeys:
+class LabelKeys(Landmarks):
     """Two-stage ranking of single tokens (Double Sparsity's label channels, then 2-bit keys).
 
     ``channels`` [H, K] are each head's label channels; ``codes``/``bounds`` their keys at 2 bits
@@ -207,7 +219,6 @@ class LabelKeys:
         return candidate_key_topk(query, self.host_codes, self.host_bounds, candidates, n)
 
     def read_bytes(self, n: int) -> int:
-        """Host bytes one step's second stage reads for ``n`` retrieved tokens a head."""
         heads, tokens, quarter = self.host_codes.shape
         return heads * min(tokens, CANDIDATES * n) * quarter
 

@@ -78,8 +78,8 @@ class DynamicHeads:
         if self.resident.shape[1] == 0:
             return
         want = self.landmarks.top(query[self.heads], self.resident.shape[1])
-        if isinstance(self.landmarks, LabelKeys):  # the second stage's reads of host codes
-            self.transferred.add_(self.landmarks.read_bytes(self.resident.shape[1]))
+        if read := self.landmarks.read_bytes(self.resident.shape[1]):  # host bytes the ranking read
+            self.transferred.add_(read)
         chunk_gather(self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want, backend,
                      self.transferred)
 
@@ -119,8 +119,7 @@ class DynamicHeads:
         return self.landmarks.device_bytes() + tensor_bytes(self.heads, self.slot_base, self.resident)
 
     def host_bytes(self) -> int:
-        marks = self.landmarks.host_bytes() if isinstance(self.landmarks, LabelKeys) else 0
-        return tensor_bytes(self.host_k, self.host_v) + marks
+        return tensor_bytes(self.host_k, self.host_v) + self.landmarks.host_bytes()
 
     def transferred_bytes(self) -> int:
         return int(self.transferred)

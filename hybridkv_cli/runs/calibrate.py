@@ -23,9 +23,7 @@ def calibrate(session, tasks: list[Task], output: Path, on_run=None) -> dict:
     for task in tasks:
         if on_run:
             on_run(task.id)
-        prepared = session.prepare(session.load_media(task.media) if task.media else None, task.question,
-                                   context=task.context, source=task.id)
-        session.run(prepared, policy, max_new_tokens=1)
+        session.run(session.prepare_task(task), policy, max_new_tokens=1)
     content = policy.file(session.options.model)
     write_atomically(output, lambda tmp: Path(tmp).write_text(json.dumps(content) + "\n"))
     return content

@@ -33,8 +33,7 @@ def build_route(session, tasks: list[Task], methods: list[str], budget: float, o
             raise UsageError(reason, "--methods")
         make_policy(name, budget=budget)
     num_layers = session.model().num_layers
-    prepared = [session.prepare(session.load_media(t.media) if t.media else None, t.question,
-                                context=t.context, source=t.id) for t in tasks]
+    prepared = [session.prepare_task(t) for t in tasks]
     reference = [session.run(p, make_policy("full"))["answer"] for p in prepared]
     scores = {m: [[] for _ in range(num_layers)] for m in methods}
     for layer in range(num_layers):

@@ -132,6 +132,11 @@ class Session:
             warn_if_large(media, prompt.visual_tokens)
         return Prepared(media, prompt, question, source)
 
+    def prepare_task(self, task) -> Prepared:
+        """:meth:`prepare` for a task row (bench's format: ``media`` paths or a text ``context``)."""
+        return self.prepare(self.load_media(task.media) if task.media else None, task.question,
+                            context=task.context, source=task.id)
+
     def run(self, prepared: Prepared, policy: Policy, *, max_new_tokens: int | None = None) -> dict:
         """Generate with ``policy`` and return the result record (README, "JSON output")."""
         with self.stage(f"answering ({policy.name}, budget {policy.budget:g}) ..."):
