@@ -31,6 +31,8 @@ METHODS = {
     "quest": ("quest", {"budget": 0.1}),
     "hybridkv, dynamic heads": ("hybridkv", {"budget": 0.2, "theta": 1.0, "landmark": "mean"}),
     "hybridkv, dynamic heads, 2-bit keys": ("hybridkv", {"budget": 0.2, "theta": 1.0, "landmark": "keys"}),
+    "hybridkv, dynamic heads, 2-bit keys on the host": ("hybridkv", {"budget": 0.2, "theta": 1.0,
+                                                                     "landmark": "host-keys"}),
     "hybridkv, dynamic heads, label channels": ("hybridkv", {"budget": 0.2, "theta": 1.0, "landmark": "labels"}),
     "hybridkv, dynamic heads, min/max landmarks": ("hybridkv", {"budget": 0.2, "theta": 1.0, "landmark": "minmax"}),
     "hybridkv, static heads + refresh": ("hybridkv", {"budget": 0.2, "theta": 0.0}),

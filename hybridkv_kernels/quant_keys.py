@@ -7,7 +7,8 @@ token shows as sharply as in exact attention; the top chunks are then chosen as
 :func:`~hybridkv_kernels.chunk_topk` chooses them (same tie rule, ids ascending).
 
 The Triton kernel reads the packed bytes (1/16 of a bf16 key and value) and unpacks them in
-registers; the torch reference unpacks them into fp32, a tile of tokens at a time.
+registers, from the device or in place from pinned host memory (through UVA, no host sync); the
+torch reference unpacks them into fp32, a tile of tokens at a time.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def quant_key_scores_torch(q, codes, bounds, chunk: int) -> torch.Tensor:
     tile = chunk * max(1, TILE_TOKENS // chunk)
     best = torch.empty(q.shape[0], tokens, dtype=torch.float32, device=q.device)
     for start in range(0, tokens, tile):
-        part = codes[:, :, start:start + tile]
+        part = codes[:, :, start:start + tile].to(q.device)  # host codes (HostKeys): a copy a tile
         best[:, start:start + part.shape[2]] = (torch.bmm(scaled, unpack_codes(part)) + bias).amax(dim=1)
     return best.unflatten(1, (-1, chunk)).amax(dim=2)
 
@@ -92,6 +93,8 @@ def launch_scores(q, codes, bounds, chunk: int, *, table=None, tokens: int | Non
     if table is None:
         _check(q, codes, bounds, chunk)
         tokens = codes.shape[2]
+        if q.is_cuda and not (codes.is_cuda or codes.is_pinned()):
+            raise ValueError("the Triton 2-bit key scores need codes on the device or in pinned host memory")
     if chunk & (chunk - 1):
         raise RuntimeError(f"the Triton 2-bit key scores need a power-of-two chunk, got {chunk}")
     mod = load_triton_module("_quant_keys_triton")
@@ -119,7 +122,8 @@ def quant_key_topk(q, codes, bounds, chunk: int, k: int, backend: str = "auto") 
     q : Tensor [H, G, d]
         Decode queries, grouped by KV head.
     codes, bounds
-        A head's prompt keys as :func:`pack_keys` gives them (P = C · chunk tokens).
+        A head's prompt keys as :func:`pack_keys` gives them (P = C · chunk tokens); ``codes``
+        on q's device or in host memory (pinned, for the Triton path on CUDA), ``bounds`` on q's.
     chunk : int
         Tokens per chunk.
     k : int

@@ -25,6 +25,7 @@ HYBRID_VARIANTS = [
     ("hybridkv", {"landmark": "minmax"}),
     ("hybridkv", {"landmark": "mean"}),
     ("hybridkv", {"landmark": "labels"}),
+    ("hybridkv", {"landmark": "host-keys"}),
     ("hybridkv", {"theta": 1.0}),  # every head dynamic
     ("hybridkv", {"theta": 0.0, "refresh": "rcr"}),  # every head static, refreshed
     ("rcr", {"refresh": "periodic"}),
@@ -57,7 +58,8 @@ def test_prompt_kv_within_budget(name, options, budget, n):
 
 @pytest.mark.parametrize("n", [200, 600, 4500])
 @pytest.mark.parametrize("name,options", [("hybridkv", {}), ("hybridkv", {"theta": 1.0}),
-                                          ("hybridkv", {"theta": 1.0, "landmark": "labels"})], ids=lambda v: str(v))
+                                          ("hybridkv", {"theta": 1.0, "landmark": "labels"}),
+                                          ("hybridkv", {"theta": 1.0, "landmark": "host-keys"})], ids=lambda v: str(v))
 @pytest.mark.parametrize("budget", [0.05, 0.1])
 def test_bf16_side_structures_stay_within_budget(name, options, budget, n):
     """In bf16 a side structure costs twice its fp32 share of the cache (2-bit keys: 1/16 of a

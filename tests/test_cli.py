@@ -121,7 +121,7 @@ def clip(tmp_path_factory):
      "error: --budget: full keeps the whole cache: its budget is 1, got 0.1"),
     (["{clip}", "q", "--method", "snapkv", "--refresh", "rcr"], "error: --refresh: does not apply to method 'snapkv'"),
     (["{clip}", "q", "--landmark", "nope"],
-     "error: --landmark: landmark must be one of auto, keys, minmax, mean, detector, labels, got 'nope'"),
+     "error: --landmark: landmark must be one of auto, keys, host-keys, minmax, mean, detector, labels, got 'nope'"),
     (["{clip}", "q", "--method", "rcr", "--refresh", "often"],
      "error: --refresh: refresh must be one of none, rcr, periodic, got 'often'"),
     (["{clip}", "q", "--method", "sparsemm", "--head-scores", "/nope.json"],

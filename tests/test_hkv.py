@@ -57,14 +57,17 @@ def test_saved_and_reloaded_cache_answers_the_same(demo, video, method, tmp_path
         assert tokens(demo, loaded, q) == tokens(demo, prefix, q), (method, q)
 
 
-def test_label_landmarks_save_and_reload(demo, video, tmp_path):
-    """The label index (device codes, host codes in host memory) round-trips and answers the same."""
-    prefix = make_prefix(demo, video, "hybridkv", budget=0.05, theta=1.0, landmark="labels")
-    path = tmp_path / "labels.hkv"
+@pytest.mark.parametrize("landmark,kind,host_codes", [("labels", "LabelKeys", "host_codes"),
+                                                     ("host-keys", "HostKeys", "codes")])
+def test_host_resident_indexes_save_and_reload(demo, video, tmp_path, landmark, kind, host_codes):
+    """An index with codes in host memory (the label index; the 2-bit keys on the host) round-trips
+    with its codes still in host memory, and answers the same."""
+    prefix = make_prefix(demo, video, "hybridkv", budget=0.05, theta=1.0, landmark=landmark)
+    path = tmp_path / "index.hkv"
     hkv.save(path, prefix, demo)
     loaded = hkv.load(path, demo)
     marks = loaded.state[0][0].dynamic.landmarks
-    assert type(marks).__name__ == "LabelKeys" and marks.host_codes.device.type == "cpu"
+    assert type(marks).__name__ == kind and getattr(marks, host_codes).device.type == "cpu"
     assert tokens(demo, loaded, QUESTIONS[0]) == tokens(demo, prefix, QUESTIONS[0])
 
 

@@ -214,6 +214,25 @@ def test_quant_key_topk(G, P, d, chunk, k):
     assert_close(ref.gather(1, ref_ids).sort(1).values, ref.gather(1, ids).sort(1).values, 1e-5)
 
 
+def test_quant_key_topk_reads_host_codes_in_place():
+    """``--landmark host-keys``: the codes stay in host memory (pinned on CUDA, where the kernel
+    reads them through UVA); the ranking is the one of device codes, and on CUDA pageable host
+    codes are refused with a reason rather than read through a bad pointer."""
+    from hybridkv_kernels.quant_keys import launch_scores
+
+    g = torch.Generator().manual_seed(5)
+    q, keys = torch.randn(3, 7, 64, generator=g).to(DEV), torch.randn(3, 200, 64, generator=g).to(DEV)
+    codes, bounds = hk.pack_keys(keys)
+    host = codes.cpu().pin_memory() if DEV.type == "cuda" else codes.cpu().clone()
+    assert torch.equal(hk.quant_key_topk(q, host, bounds, 1, 20, backend="triton"),
+                       hk.quant_key_topk(q, codes, bounds, 1, 20, backend="triton"))
+    assert torch.equal(hk.quant_key_topk(q, host, bounds, 1, 20, backend="torch"),
+                       hk.quant_key_topk(q, codes, bounds, 1, 20, backend="torch"))
+    if DEV.type == "cuda":
+        with pytest.raises(ValueError, match="pinned host memory"):
+            launch_scores(q, codes.cpu(), bounds, 1)
+
+
 # --------------------------------------------------------------------------- chunk gather
 
 

@@ -12,7 +12,7 @@ from hybridkv_cli import cli
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.compression.base import PrefillLayer
 from hybridkv_cli.compression.labels import channel_weights, choose_labels
-from hybridkv_cli.compression.landmarks import LabelKeys, QuantKeys
+from hybridkv_cli.compression.landmarks import HostKeys, LabelKeys, QuantKeys
 from hybridkv_cli.io.errors import UsageError
 from demo_fixtures import cached_demo, demo  # noqa: F401
 
@@ -115,22 +115,33 @@ def test_a_label_file_of_another_geometry_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("dtype,budget,expected", [
-    (torch.float32, 0.1, "keys"), (torch.float32, 0.05, "labels"),  # fp32 keys: 1/32 of the KV
-    (torch.bfloat16, 0.2, "keys"), (torch.bfloat16, 0.1, "labels"),  # bf16 keys: 1/16
+    (torch.float32, 0.1, "keys"), (torch.float32, 0.05, "host-keys"),  # fp32 keys: 1/32 of the KV
+    (torch.bfloat16, 0.2, "keys"), (torch.bfloat16, 0.1, "host-keys"),  # bf16 keys: 1/16
     (torch.bfloat16, 1.0, "keys"),  # b = 1 keeps the full cache: nothing to rank
 ])
-def test_auto_takes_the_keys_while_they_cost_at_most_half_the_budget(dtype, budget, expected):
+def test_auto_keeps_the_keys_on_the_device_while_they_cost_at_most_half_the_budget(dtype, budget, expected):
     prefill = layer(n=1200, dtype=dtype)
     policy = make_policy("hybridkv", budget=budget, theta=1.0)
     compressed = policy.compress(prefill)
     assert policy.summary([compressed.report])["landmark"] == expected
     if budget < 1:
-        kind = {"keys": QuantKeys, "labels": LabelKeys}[expected]
-        assert isinstance(compressed.kv.dynamic.landmarks, kind)
+        marks = compressed.kv.dynamic.landmarks
+        assert type(marks) is {"keys": QuantKeys, "host-keys": HostKeys}[expected]
+        assert (marks.host_bytes() > 0) == (expected == "host-keys")  # the codes' bytes, in host memory
 
 
-def test_with_labels_the_window_takes_at_most_a_quarter_of_a_head():
+def test_with_the_keys_on_the_host_the_window_takes_at_most_a_quarter_of_a_head():
     prefill = layer(n=1200, dtype=torch.bfloat16)
     policy = make_policy("hybridkv", budget=0.05, theta=1.0)
     record = policy.compress(prefill).report
-    assert record.landmark == "labels" and record.window <= record.plan.entries.max() // 4 < 16
+    assert record.landmark == "host-keys" and record.window <= record.plan.entries.max() // 4 < 16
+
+
+@pytest.mark.parametrize("landmark,dynamic", [("auto", 2), ("keys", 0), ("host-keys", 0)])
+def test_auto_makes_every_head_dynamic_where_it_keeps_the_keys_on_the_host(landmark, dynamic):
+    """θ = 0 would make every head static; ``auto`` at a tight budget overrides it (a one-shot
+    twentieth of the prompt loses what a step needs), an explicit landmark does not."""
+    prefill = layer(n=1200, dtype=torch.bfloat16)
+    policy = make_policy("hybridkv", budget=0.05, theta=0.0, refresh="none", landmark=landmark)
+    report = policy.compress(prefill).report
+    assert int((~report.plan.static).sum()) == dynamic

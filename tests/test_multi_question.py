@@ -57,16 +57,31 @@ def test_questions_decoded_together_equal_one_by_one(demo, video, method, budget
     lengths, fed on the device while others already generate) give the tokens of one by one."""
     if method == "full" and budget != 1.0:
         pytest.skip("full keeps the whole cache")
+    assert_together_equals_alone(demo, video, make_policy(method, budget=budget, **needed(method)))
+
+
+def test_host_keys_decoded_together_equal_one_by_one(demo, video):
+    """At b = 0.05 (fp32) ``auto`` keeps the 2-bit keys in host memory with every head dynamic;
+    those heads rank one sequence at a time in a batch, and answer as one by one."""
+    policy = make_policy("hybridkv", budget=0.05)
+    prefix = assert_together_equals_alone(demo, video, policy)
+    assert {type(kv.dynamic.landmarks).__name__ for kv in prefix.state[0]} == {"HostKeys"}
+
+
+def assert_together_equals_alone(demo, video, policy):
+    """Questions of different lengths over one compressed prefix, decoded 3 at a time, give the
+    tokens of one by one; returns the prefix."""
     tok = demo.processor.tokenizer
     p = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
     template = QuestionTemplate.of(tok, p, TEMPLATE_QUESTION)
-    prefix = compress_prefix(demo.model, p, make_policy(method, budget=budget, **needed(method)), template)
+    prefix = compress_prefix(demo.model, p, policy, template)
     suffixes = [template.suffix(tok, q) for q in [*QUESTIONS, "Is there a circle? Answer yes or no."]]
     assert len({len(s) for s in suffixes}) > 1
     alone = [g.tokens for g in answer_all(demo.model, prefix, suffixes, NEW)]
     together = answer_all(demo.model, prefix, suffixes, NEW, Limits(batch_size=3))
-    assert [g.tokens for g in together] == alone, (method, budget)
+    assert [g.tokens for g in together] == alone, policy
     assert all(len(g.tokens) == NEW for g in together)
+    return prefix
 
 
 def test_the_snapshot_is_not_touched_by_answering(demo, video):

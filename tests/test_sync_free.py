@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Static-only layers: the design's 4 (attention: 2 kernels; the new token: 2 copies). Dynamic
 # heads: the design's 12 (chunk scores + top-k, the fused gather plan + the copies, attention,
 # the token; the byte counter is added to by the plan kernel) with 2-bit keys (the default) and
-# mean landmarks, whose scores are kernels. Label channels: 14 (the query's labels gathered, their
+# mean landmarks, whose scores are kernels; 13 with the keys on the host (their read counted, one
+# sequence at a time). Label channels: 14 (the query's labels gathered, their
 # scores + top-k, the candidates' scores from the host codes + top-k, the ids gathered, the gather
 # plan + copies, the read counter, attention, the token; one sequence at a time). Refresh: the
 # five refresh launches, the gather's two and the selection's merge (``refresh_step.py``). Min/max landmarks and Quest have no design
@@ -32,6 +33,7 @@ CEILINGS = {
     "hybridkv, static heads, no refresh": 4,
     "hybridkv, dynamic heads": 12,
     "hybridkv, dynamic heads, 2-bit keys": 12,
+    "hybridkv, dynamic heads, 2-bit keys on the host": 13,
     "hybridkv, dynamic heads, label channels": 14,
     "hybridkv, dynamic heads, min/max landmarks": 24,
     "quest": 28,

@@ -35,9 +35,10 @@ CHUNK = typer.Option(None, help="HybridKV: tokens per retrieval chunk [default: 
 SINK_AWARE = typer.Option(None, "--sink-aware/--no-sink-aware", help="HybridKV: score heads without the first 4 "
                           "tokens (attention sinks) [default: the method's].")
 LANDMARK = typer.Option(None, help="HybridKV: how dynamic heads rank chunks: keys (every token's key at 2 bits) | "
-                        "labels (a quarter of the channels at 2 bits, then the candidates' 2-bit keys from the "
-                        "host: a quarter of the device bytes) | minmax | mean | detector | auto (keys unless they "
-                        "would cost over half the budget, then labels) [default: auto].")
+                        "host-keys (the same in host memory, read every step) | labels (a quarter of the channels "
+                        "at 2 bits, then the candidates' 2-bit keys from the host: a quarter of the device bytes) | "
+                        "minmax | mean | detector | auto (keys unless they would cost over half the budget, then "
+                        "host-keys with every head dynamic) [default: auto].")
 INDEX_FILE = typer.Option(None, metavar="FILE", help="hybridkv --landmark labels: the label file of this model "
                           "(hybridkv calibrate) [default: label channels chosen from the prompt].")
 REFRESH = typer.Option(None, help="hybridkv (static heads) / rcr: refresh while decoding: rcr | periodic | none "

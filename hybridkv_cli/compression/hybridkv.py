@@ -72,7 +72,8 @@ class HybridKV(RefreshPolicy):
     """HybridKV: text-centric head classification, top-down budgets, text-prior pruning + chunk retrieval.
 
     Defaults: the paper's θ, p and r; sink-aware scores, rate-controlled refresh of static heads,
-    2-bit key landmarks with single-token retrieval, the 16-token window and the chunk-size rule
+    2-bit key landmarks with single-token retrieval (in host memory, every head dynamic, where on
+    the device they would cost over half the budget), the 16-token window and the chunk-size rule
     were chosen on the dev splits (docs/quality.md). The paper's own setting is
     ``window=32, sink_aware=False, chunk_size=8, landmark="mean", refresh="none"``.
 
@@ -82,7 +83,8 @@ class HybridKV(RefreshPolicy):
         w: the last prompt positions whose queries score the heads and the tokens, always kept
         (16: on the text dev splits 29 of 42 rows against 26 at the paper's 32, with 2-bit keys).
     theta : float
-        Heads whose sparsity score is >= theta are static.
+        Heads whose sparsity score is >= theta are static (none where ``auto`` keeps the keys
+        in host memory: :meth:`every_head_dynamic`).
     sparsity_topk : float
         p: the sparsity score is the attention mass on the top ``ceil(p·N)`` positions.
     sink_aware : bool
@@ -93,12 +95,13 @@ class HybridKV(RefreshPolicy):
         Tokens per retrieval chunk; None: :meth:`chunk_for` (1 with 2-bit keys).
     alpha : float
         Floor of a static head's budget, as a share of the static average (Ada-KV safeguard).
-    landmark : {"auto", "keys", "labels", "minmax", "mean", "detector"}
+    landmark : {"auto", "keys", "host-keys", "labels", "minmax", "mean", "detector"}
         How dynamic heads rank their chunks (:mod:`~hybridkv_cli.compression.landmarks`).
-        ``labels`` ranks in two stages for a sixty-fourth of a bf16 head's KV on the device
-        (label channels, then 2-bit keys read from the host for the candidates). ``auto``
-        (:meth:`landmark_for`): ``keys`` unless they would cost over half of the budget, then
-        ``labels``.
+        ``host-keys``: the 2-bit keys in host memory, read whole every step (the device pays
+        only each channel's range). ``labels`` ranks in two stages for a sixty-fourth of a bf16
+        head's KV on the device (label channels, then 2-bit keys read from the host for the
+        candidates). ``auto`` (:meth:`landmark_for`): ``keys`` unless they would cost over half
+        of the budget, then ``host-keys`` with every head dynamic.
         ``keys`` (every token's key at 2 bits per channel): on the text dev splits at b = 0.1 it
         answers 20 of 26 retrieval rows where min/max bounds answer 7 and the full cache 18 (a
         bound or a mean over a chunk blurs the one token a copy needs); every video dev needle,
@@ -135,15 +138,22 @@ class HybridKV(RefreshPolicy):
         self._label_weights = load_label_file(self.index_file) if self.index_file else None
 
     def landmark_for(self, budget: Budget, element_size: int) -> str:
-        """The landmark of a layer's ``budget`` and KV ``element_size``: with ``auto``, 2-bit keys while they cost at most
-        half of it (fp32 down to b = 1/16, bf16 down to 1/8), else the label index (1/64 of a bf16
-        KV): above half, the keys would leave retrieval fewer tokens than they cost. On the text
-        dev split in bf16 the two tie at b = 0.1 (8 of 15 rows each); at b = 0.05 the keys do
-        not fit and the labels answer (docs/quality.md)."""
+        """The landmark of a layer's ``budget`` and KV ``element_size``: with ``auto``, 2-bit keys
+        on the device while they cost at most half of it (fp32 down to b = 1/16, bf16 down to
+        1/8), else the same keys in host memory: above half, on the device they would leave
+        retrieval fewer tokens than they cost. On 26 text dev rows in bf16 at b = 0.05 the host
+        keys with every head dynamic answer 19, the full cache 19, the label index 14
+        (docs/quality.md)."""
         if self.landmark != "auto":
             return self.landmark
         keys_share = 1 / (8 * element_size)  # d/4 bytes a token over its key and value, 2·d·size
-        return "keys" if budget.full or keys_share <= budget.fraction / 2 else "labels"
+        return "keys" if budget.full or keys_share <= budget.fraction / 2 else "host-keys"
+
+    def every_head_dynamic(self, landmark: str) -> bool:
+        """Whether ``auto`` chose the host keys, where no head is pruned once: at b = 0.05 a
+        one-shot selection of a twentieth of the prompt loses what a step needs (26 text dev rows
+        in bf16: 16 answers with the heads classified, 19 with every head dynamic)."""
+        return self.landmark == "auto" and landmark == "host-keys"
 
     def _labels(self, layer: PrefillLayer, landmark: str) -> torch.Tensor | None:
         """Every head's label channels [H, K] (``landmark="labels"``), else None."""
@@ -163,7 +173,7 @@ class HybridKV(RefreshPolicy):
         more context around each hit at half the landmark bytes (the text dev split)."""
         if self.chunk_size:
             return self.chunk_size
-        if landmark in ("keys", "labels"):
+        if landmark in ("keys", "host-keys", "labels"):
             return 1
         room = self.share * budget.per_head - budget.window(self.window)
         return 16 if room >= 2 * 16 else 8
@@ -183,12 +193,13 @@ class HybridKV(RefreshPolicy):
 
     def _plan(self, layer: PrefillLayer, budget: Budget, pooled: torch.Tensor, static: torch.Tensor, refreshed: bool,
               chunk: int, landmark: str):
-        """The layer's allocation and window after paying for side structures. With the label index
-        (the tight budgets) the window takes at most a quarter of a head's entries, else half: at
-        b = 0.05 a 16-token window left a dynamic head 17 retrieval slots of 33, and with 8 the
-        text dev split's first 8 rows went from 2 to 6 answers."""
+        """The layer's allocation and window after paying for side structures. With an index in
+        host memory (the tight budgets) the window takes at most a quarter of a head's entries,
+        else half: at b = 0.05 a 16-token window left a dynamic head 17 retrieval slots of 33,
+        and with 8 the text dev split's first 8 rows went from 2 to 6 answers."""
         target = budget.entries(self._overhead(layer, budget, static, refreshed, chunk, landmark))
-        window = budget.window(self.window, target / layer.num_heads / (2 if landmark == "labels" else 1))
+        tight = landmark in ("host-keys", "labels")
+        window = budget.window(self.window, target / layer.num_heads / (2 if tight else 1))
         plan = plan_layer(pooled, static, target=target, window=window, share=self.share,
                           chunk=chunk, alpha=self.alpha, adaptive=not refreshed)
         return plan, window
@@ -198,10 +209,12 @@ class HybridKV(RefreshPolicy):
         budget = Budget.of(self.budget, layer)
         attn, pooled = window_scores(layer.window_query(min(self.window, n)), layer.keys, scale=layer.scale)
         static, sparsity = classify_static(attn, self.theta, self.sparsity_topk, self.sink_aware)
+        landmark = self.landmark_for(budget, layer.keys.element_size())
         if budget.full:  # every head keeps the whole prompt on the device: nothing to retrieve or refresh
             static = torch.ones_like(static)
+        elif self.every_head_dynamic(landmark):
+            static = torch.zeros_like(static)
         refresh_on = self.refresh != "none" and not budget.full
-        landmark = self.landmark_for(budget, layer.keys.element_size())
         chunk = self.chunk_for(budget, landmark)
         plan, window = self._plan(layer, budget, pooled, static, refresh_on, chunk, landmark)
         fallback = bool((~static).any()) and plan.chunks == 0

@@ -17,6 +17,9 @@ for a query; they differ in how sharply one strongly matching token inside a chu
   head from calibration prose or from the prompt) at 2 bits on the device pick ``CANDIDATES·n``
   tokens; every channel at 2 bits, in host memory, ranks those. The device pays ``d/8`` bytes a
   token (1/64 of its bf16 KV); a step reads ``d/4`` bytes per candidate from the host.
+* ``host-keys``: the 2-bit keys of ``keys`` kept in host memory (:class:`HostKeys`, pinned on
+  CUDA, read in place by the Triton kernel): the device pays only each channel's range, and a
+  step reads every token's ``d/4`` bytes from the host (1/16 of the head's bf16 KV a step).
 """
 
 from __future__ import annotations
@@ -185,6 +188,33 @@ class QuantKeys(Landmarks):
         return tensor_bytes(self.codes, self.bounds)
 
 
+class HostKeys(QuantKeys):
+    """:class:`QuantKeys` whose codes stay in host memory: the device holds each channel's range
+    (8·d bytes a head), and every step reads all the codes from the host to rank (the traffic
+    this trades for device bytes, counted). Not ranked in ``chunk_retrieve``'s one pass (its
+    table reads device codes)."""
+
+    pass_tensors = None
+
+    @classmethod
+    def build(cls, chunks: torch.Tensor) -> "HostKeys":
+        keys = super().build(chunks)
+        return cls(to_host(keys.codes), keys.bounds, keys.chunk)
+
+    @staticmethod
+    def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
+        return heads * 2 * dim * 4
+
+    def read_bytes(self, n: int) -> int:
+        return tensor_bytes(self.codes)
+
+    def device_bytes(self) -> int:
+        return tensor_bytes(self.bounds)
+
+    def host_bytes(self) -> int:
+        return tensor_bytes(self.codes)
+
+
 @dataclass
 class LabelKeys(Landmarks):
     """Two-stage ranking of single tokens (Double Sparsity's label channels, then 2-bit keys).
@@ -229,5 +259,5 @@ class LabelKeys(Landmarks):
         return tensor_bytes(self.host_codes)
 
 
-LANDMARKS = {"keys": QuantKeys, "minmax": MinMaxLandmarks, "mean": MeanLandmarks, "detector": TokenDetector,
-             "labels": LabelKeys}
+LANDMARKS = {"keys": QuantKeys, "host-keys": HostKeys, "minmax": MinMaxLandmarks, "mean": MeanLandmarks,
+             "detector": TokenDetector, "labels": LabelKeys}

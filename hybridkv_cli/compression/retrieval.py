@@ -28,8 +28,9 @@ class DynamicHeads:
         Which KV heads of the layer are dynamic.
     host_k, host_v : Tensor [H_dyn, C, chunk, d]
         The offloaded prompt KV (host memory, pinned on CUDA).
-    landmarks : QuantKeys | LabelKeys | MinMaxLandmarks | MeanLandmarks | TokenDetector
-        What ranks the chunks (device).
+    landmarks : QuantKeys | HostKeys | LabelKeys | MinMaxLandmarks | MeanLandmarks | TokenDetector
+        What ranks the chunks (on the device, but for the host-resident codes of HostKeys and
+        LabelKeys).
     slot_base : LongTensor [H_dyn]
         Store row of each dynamic head's first slot.
     resident : LongTensor [H_dyn, n]
@@ -88,7 +89,8 @@ class DynamicHeads:
         """The ``(heads, query, store)`` items that :func:`~hybridkv_kernels.chunk_retrieve` serves
         in one pass: those with slots, ranked by the kind of the first one's landmarks when it has
         a retrieval kernel (mean keys, 2-bit keys with the first one's chunk length)."""
-        ready = [(d, q, s) for d, q, s in items if d.resident.shape[1] and hasattr(d.landmarks, "pass_tensors")]
+        ready = [(d, q, s) for d, q, s in items
+                 if d.resident.shape[1] and getattr(d.landmarks, "pass_tensors", None) is not None]
         if not ready:
             return []
         kind, chunk = type(ready[0][0].landmarks), ready[0][0].host_k.shape[2]

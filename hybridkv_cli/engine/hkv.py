@@ -40,7 +40,8 @@ from hybridkv_cli.models.prompt import QuestionTemplate
 
 SUFFIX = ".hkv"
 FORMAT = "hybridkv-cache"
-FORMAT_VERSION = 3  # 2: kinds from a fixed table, the header under the checksum; 3: label landmarks
+FORMAT_VERSION = 4  # 2: kinds from a fixed table, the header under the checksum; 3: label landmarks;
+# 4: host-resident 2-bit keys
 _META_KEY = "hybridkv"
 _EXTRA = ("visual", "rope_deltas")
 

@@ -27,7 +27,8 @@ from hybridkv_cli.compression.base import Policy
 from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_cli.compression.full import Full
 from hybridkv_cli.compression.hybridkv import HybridKV, HybridLayerKV, LayerRecord
-from hybridkv_cli.compression.landmarks import LabelKeys, MeanLandmarks, MinMaxLandmarks, QuantKeys, TokenDetector
+from hybridkv_cli.compression.landmarks import (HostKeys, LabelKeys, MeanLandmarks, MinMaxLandmarks, QuantKeys,
+                                                TokenDetector)
 from hybridkv_cli.compression.lookm import LookM
 from hybridkv_cli.compression.madakv import MadaKV, ModalityPlan
 from hybridkv_cli.compression.quest import Quest, QuestLayerKV
@@ -55,6 +56,7 @@ KINDS: dict[str, tuple[type, dict[str, object]]] = {
     "RefreshOptions": (RefreshOptions, {}),
     "LowRankKeys": (LowRankKeys, {}),
     "QuantKeys": (QuantKeys, {}),
+    "HostKeys": (HostKeys, {}),
     "LabelKeys": (LabelKeys, {}),
     "MeanLandmarks": (MeanLandmarks, {}),
     "MinMaxLandmarks": (MinMaxLandmarks, {}),
@@ -182,6 +184,7 @@ def _check_landmarks(marks, n: int, chunks: int, chunk: int, dim: int) -> None:
         _need(marks.chunk == chunk, "key landmarks of another chunk size")
         _tensor(marks.codes, "key codes", (n, dim // 4, chunks * chunk), torch.uint8)
         _tensor(marks.bounds, "key bounds", (n, 2, dim), torch.float32)
+        _need(not isinstance(marks, HostKeys) or marks.codes.device.type == "cpu", "host key codes not in host memory")
     elif isinstance(marks, LabelKeys):
         _need(chunk == 1, "label landmarks of chunks longer than a token")
         labels = marks.channels.shape[-1] if isinstance(marks.channels, Tensor) and marks.channels.dim() == 2 else 0
