@@ -16,6 +16,7 @@ from hybridkv_cli.commands.compress import compress
 from hybridkv_cli.commands.options import ASK_HELP, BENCH_HELP, COMPRESS_HELP
 from hybridkv_cli.commands.profile import profile
 from hybridkv_cli.commands.route import route
+from hybridkv_cli.commands.serve import SERVE_HELP, serve
 from hybridkv_cli.io.console import err, one_line_warnings, print_error, quiet_libraries
 from hybridkv_cli.io.errors import HybridKVError, one_line
 from hybridkv_cli.io.signals import describe, exit_code, leave, signal_of, stop_on_signals
@@ -44,6 +45,7 @@ app.command(help=BENCH_HELP)(_stoppable(bench))
 app.command(help=COMPRESS_HELP)(_stoppable(compress))
 app.command()(_stoppable(route))
 app.command()(_stoppable(calibrate))
+app.command(help=SERVE_HELP)(_stoppable(serve))
 
 
 @app.command()

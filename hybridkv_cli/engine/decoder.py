@@ -77,8 +77,12 @@ class Decoder:
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         self.steps = 0
 
-    def finished(self, tokens: list[int]) -> bool:
-        return len(tokens) >= self.max_new_tokens or (bool(tokens) and tokens[-1] in self.eos)
+    def limit(self, job) -> int:
+        """The most new tokens of ``job``: its own limit, else the run's."""
+        return getattr(job, "max_new_tokens", None) or self.max_new_tokens
+
+    def finished(self, tokens: list[int], limit: int | None = None) -> bool:
+        return len(tokens) >= (limit or self.max_new_tokens) or (bool(tokens) and tokens[-1] in self.eos)
 
     def start(self, job) -> Member:
         """``job``'s member (its prefix prefilled now if it has none yet), its first token chosen
@@ -89,7 +93,7 @@ class Decoder:
         prefix, suffix = job.prefix, list(job.suffix)
         cache, meter = prefix.take(self.device)
         # every token fed from now on, or (as a store grows by itself) the first block of them
-        cache.reserve(len(suffix) + self.max_new_tokens - 1 if self.allocate_all else GEN_BLOCK)
+        cache.reserve(len(suffix) + self.limit(job) - 1 if self.allocate_all else GEN_BLOCK)
         ids = torch.cat([prefix.tokens["input_ids"].to(self.device),
                          torch.tensor([suffix], dtype=torch.long, device=self.device)], dim=1)
         processors = self.model._get_logits_processor(
@@ -197,7 +201,7 @@ class Decoder:
             m.in_suffix = False
             m.tokens.append(token)
             m.meter.token(at, at - start)
-            if self.finished(m.tokens):
+            if self.finished(m.tokens, self.limit(m.job)):
                 done.append(m)
         self.leave(*done)
         return done

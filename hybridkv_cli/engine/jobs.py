@@ -67,6 +67,7 @@ class Job:
     prefill: Callable[[], Prefix] | None = None
     length: int = 0
     about: Any = None
+    max_new_tokens: int | None = None  # this job's own limit (None: the run's)
 
     def __post_init__(self):
         if self.prefix is not None and not self.length:
@@ -112,16 +113,21 @@ def graph_warning(limits: Limits, steps: int, replayed: int) -> str | None:
     return f"--cuda-graphs replayed none of its {steps} steps ({why})"
 
 
-def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[], Job]]], *, max_new_tokens: int,
-           limits: Limits = Limits(), on_step: Callable[[], None] | None = None) -> Iterator[Outcome]:
+def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[], Job]] | None], *, max_new_tokens: int,
+           limits: Limits = Limits(), on_step: Callable[[], None] | None = None,
+           watch: Callable[[list], Iterable] | None = None) -> Iterator[Outcome]:
     """Decode ``jobs`` as ``limits`` allow, yielding each job's :class:`Outcome` as it finishes.
 
     ``load_model()``: the model, called once the first job is made (a bad first file fails
     before a long load). ``jobs``: ``(tag, make)`` pairs read as room frees up;
     ``make()`` builds the :class:`Job` (loading media, building its prompt), and its errors
-    become an outcome of ``Job(tag, [])``. ``on_step``: called before every batch step (a stop
-    signal raised there ends the run after the outcomes already yielded). A step that fails
-    (out of memory) ends its members with that error; the jobs after them go on.
+    become an outcome of ``Job(tag, [])``. A live source (a server's queue) may give None for
+    "nothing waiting now": the members decode a step and it is asked again. ``on_step``: called
+    before every batch step (a stop signal raised there ends the run after the outcomes already
+    yielded). ``watch(members)``: called after every step with the members still decoding (their
+    ``tokens`` so far); the members it returns stop there (a stop string, a client gone) and their
+    outcomes are yielded with the tokens they have. A step that fails (out of memory) ends its
+    members with that error; the jobs after them go on.
     """
     decoder = None
     pending = iter(jobs)
@@ -150,10 +156,13 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
                 if full():  # a job is made only when it could join (its errors then come in order)
                     break
                 try:
-                    tag, make = next(pending)
+                    nxt = next(pending)
                 except StopIteration:
                     exhausted = True
                     continue
+                if nxt is None:  # a live source with nothing waiting now
+                    break
+                tag, make = nxt
                 try:
                     job = make()
                 except Exception as e:
@@ -171,7 +180,7 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
             except Exception as e:
                 yield Outcome(job, error=e)
                 continue
-            if decoder.finished(member.tokens):  # done at its first token: it never joins
+            if decoder.finished(member.tokens, decoder.limit(job)):  # done at its first token: it never joins
                 yield Outcome(job, member.generation(), batch=batch_info(limits, decoder.steps, [], member.bytes))
                 continue
             decoder.join(member)
@@ -203,6 +212,10 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
             for m in failed:
                 yield Outcome(m.job, error=e)
             continue
+        if watch is not None and decoder.members:
+            stopped = list(watch(list(decoder.members)))
+            decoder.leave(*stopped)
+            done += stopped
         for m in done:
             yield Outcome(m.job, m.generation(), batch=batch_info(limits, m.joined, m.sizes, m.kv_peak or m.bytes,
                                                                   m.replayed))

@@ -249,17 +249,9 @@ class Session:
         the order they finish (decoded together under ``limits``); a question too long for the
         model's context is its own :class:`ContextLengthError`."""
         loaded, o = self.model(), self.options
-        limit = loaded.context_limit
-        check_new_tokens(o.max_new_tokens, limit)
+        check_new_tokens(o.max_new_tokens, loaded.context_limit)
         context_tokens = prefix.seen - int(prefix.visual.sum())
-
-        def job(index: int) -> Job:
-            suffix = prefix.template.suffix(loaded.tokenizer, questions[index])
-            if limit and prefix.seen + len(suffix) + o.max_new_tokens > limit:
-                raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {o.max_new_tokens} "
-                                         f"new, more than the model's context of {limit} tokens", source)
-            return Job(index, suffix, prefix=prefix)
-
+        job = lambda i: self.question_job(prefix, questions[i], i, source=source)
         stage = f"answering {len(questions)} question{'s' if len(questions) > 1 else ''} ..."
         with self.stage(stage):
             for outcome in self._decode(((i, lambda i=i: job(i)) for i in range(len(questions))), limits):
@@ -271,6 +263,19 @@ class Session:
                 record = make_record(loaded, {**prefix.info, "text_tokens": text}, questions[i], prefix.policy,
                                      outcome.generation, True, outcome.batch)
                 yield i, prefix_record(record, prefix, index=i, of=len(questions), cache_file=cache_file)
+
+    def question_job(self, prefix: Prefix, question: str, tag, *, source: str = "",
+                     max_new_tokens: int | None = None) -> Job:
+        """The job of ``question`` asked about a copy of the shared ``prefix`` (``max_new_tokens``:
+        its own limit, else the session's); a :class:`ContextLengthError` when the prompt and the
+        tokens to generate do not fit the model's context."""
+        loaded = self.model()
+        new, limit = max_new_tokens or self.options.max_new_tokens, loaded.context_limit
+        suffix = prefix.template.suffix(loaded.tokenizer, question)
+        if limit and prefix.seen + len(suffix) + new > limit:
+            raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {new} new, more than "
+                                     f"the model's context of {limit} tokens", source)
+        return Job(tag, suffix, prefix=prefix, max_new_tokens=max_new_tokens)
 
     def answer_all(self, item: Item, questions: list[str], context: str | None = None,
                    failed: Callable[[str, HybridKVError], dict] | None = None,

@@ -1,0 +1,93 @@
+"""``hybridkv serve``: an OpenAI-compatible HTTP server whose compressed prefixes outlive the
+request (docs/serve.md)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from hybridkv_cli.commands.options import (ALL_OPTIONS, DEBUG, DEVICE, DTYPE, FPS, FRAMES, KV_MEMORY, MAX_PIXELS,
+                                           QUIET, method_options, parse_size)
+from hybridkv_cli.io.console import err, print_warning
+from hybridkv_cli.io.errors import UsageError
+
+SERVE_HELP = (
+    "Serve MODEL over HTTP with OpenAI's chat completions API (POST /v1/chat/completions, GET /v1/models, "
+    "GET /health, GET /metrics).\n\n"
+    "A request is one user message: image_url / video_url parts (data: URLs; local files only under "
+    "--allowed-media-dir; remote URLs are refused) and the question as text. The media is compressed once and "
+    "kept (--prefix-cache-bytes): a later question about the same media skips its decoding and prefill. Answers "
+    "are greedy and equal `hybridkv ask MEDIA -Q QUESTION`'s. Requests decode together (--max-batch, "
+    "--kv-memory). Per request: \"hybridkv\": {\"method\": ..., \"budget\": ...}. Needs the serve extra: "
+    "pip install -e \".\\[serve]\". See docs/serve.md."
+)
+
+
+@method_options(ALL_OPTIONS)
+def serve(
+    model: str = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help="Hub id, local directory, 'demo', 'smollm2', ... "
+                              "(as for ask); clients name it as \"model\"."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (another than localhost: give --api-key)."),
+    port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on."),
+    method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`); a request may choose "
+                               "another."),
+    frames: int = FRAMES, fps: Optional[float] = FPS, max_pixels: Optional[int] = MAX_PIXELS,
+    max_new_tokens: int = typer.Option(128, min=1, help="Tokens a request generates when it gives no max_tokens "
+                                       "(requests may ask up to the model's context)."),
+    device: str = DEVICE, dtype: str = DTYPE,
+    max_batch: int = typer.Option(8, min=1, max=1024, help="Requests decoded together."),
+    kv_memory: Optional[str] = KV_MEMORY,
+    queue_size: int = typer.Option(64, min=1, help="Requests waiting for the model; beyond: 503 with Retry-After."),
+    allowed_media_dir: Optional[str] = typer.Option(None, metavar="DIR", help="Serve local media files (plain paths "
+                                                    "or file:// URLs) under DIR only [default: none]."),
+    api_key: Optional[str] = typer.Option(None, envvar="HYBRIDKV_API_KEY", help="Require 'Authorization: Bearer "
+                                          "KEY' (also from $HYBRIDKV_API_KEY)."),
+    prefix_cache_bytes: str = typer.Option("1GiB", metavar="SIZE", help="Compressed prefixes kept (device + host "
+                                           "bytes), least recently used evicted first."),
+    max_body_bytes: str = typer.Option("64MiB", metavar="SIZE", help="Largest request body (413 beyond)."),
+    max_media_bytes: str = typer.Option("256MiB", metavar="SIZE", help="Media bytes of one request, decoded."),
+    max_messages: int = typer.Option(64, min=1, help="Messages of one request."),
+    quiet: bool = QUIET, debug: bool = DEBUG, options=None,
+):
+    import os
+
+    from hybridkv_cli.engine import Limits
+    from hybridkv_cli.runs.session import AskOptions, Session
+    from hybridkv_cli.serve.settings import ServeSettings
+
+    if allowed_media_dir is not None and not os.path.isdir(allowed_media_dir):
+        raise UsageError("not a directory", "--allowed-media-dir")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("the key is empty", "--api-key")
+    settings = ServeSettings(
+        model_id=model, allowed_media_dir=allowed_media_dir, api_key=api_key,
+        max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
+        max_media_bytes=parse_size(max_media_bytes, "--max-media-bytes"), max_messages=max_messages,
+        max_batch=max_batch, queue_size=queue_size,
+        prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes"))
+    limits = Limits(batch_size=max_batch, kv_memory=None if kv_memory is None else parse_size(kv_memory,
+                                                                                              "--kv-memory"))
+    try:
+        import uvicorn
+
+        from hybridkv_cli.serve.app import create_app
+        from hybridkv_cli.serve.metrics import Metrics
+        from hybridkv_cli.serve.worker import Worker
+    except ImportError as e:
+        raise UsageError(f"needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"",
+                         "serve") from None
+    session = Session(AskOptions(model=model, device=device, dtype=dtype, method=method, method_options=options,
+                                 frames=frames, fps=fps, max_pixels=max_pixels, max_new_tokens=max_new_tokens,
+                                 defer_question=True))  # refuses a bad method or option before the model loads
+    session.model()  # loaded before the port opens: the first request does not wait for it
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print_warning(f"listening on {host} without --api-key: anyone who can reach it can use the model")
+    metrics = Metrics()
+    app = create_app(Worker(session, settings, limits, metrics), settings, metrics)
+    if not quiet:
+        err.print(f"serving {model} on http://{host}:{port}/v1 (max batch {max_batch}; Ctrl-C stops)",
+                  highlight=False)
+    uvicorn.run(app, host=host, port=port, log_level="debug" if debug else "warning" if quiet else "info",
+                access_log=not quiet)
+    return 0

@@ -1,0 +1,218 @@
+"""The routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``,
+``GET /health`` and ``GET /metrics``.
+
+Every error is OpenAI's JSON shape with its status (:mod:`.errors`); nothing a handler raises
+reaches a client as a traceback. The key (``--api-key``) is compared in constant time. A body is
+read up to ``--max-body-bytes`` (413 beyond, told by its Content-Length before it is read), then
+parsed, validated and its media resolved off the event loop; the request then waits for the
+worker's events, and a client that disconnects is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from hybridkv_cli.serve.errors import ApiError, bad_request
+from hybridkv_cli.serve.media_refs import resolve_all
+from hybridkv_cli.serve.metrics import Metrics
+from hybridkv_cli.serve.schema import parse_chat
+from hybridkv_cli.serve.settings import ServeSettings
+from hybridkv_cli.serve.worker import Ticket, Worker
+
+#: how often a waiting request checks that its client is still there (seconds)
+DISCONNECT_POLL_S = 0.25
+
+
+def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> FastAPI:
+    """The server's app around a worker (started with the app, stopped with it)."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        await run_in_threadpool(worker.stop)
+
+    app = FastAPI(title="hybridkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    started = int(time.time())
+
+    def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, error: ApiError):
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):
+        message = (f"no route {request.method} {request.url.path}" if error.status_code == 404 else
+                   f"{request.method} is not allowed on {request.url.path}" if error.status_code == 405 else
+                   str(error.detail))
+        return error_response(ApiError(error.status_code, message, code="not_found" if error.status_code == 404
+                                       else None, headers=dict(error.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, error: Exception):
+        return error_response(ApiError(500, "internal server error (see the server's log)", type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        if not worker.alive:
+            return error_response(ApiError(503, "the worker is not running", type="server_error"))
+        return {"status": "ok", "model": settings.model_id, "queued": worker.queue.qsize(),
+                "decoding": metrics.members}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        authorize(request)
+        return PlainTextResponse(metrics.render(worker.cache, worker.queue.qsize()),
+                                 media_type="text/plain; version=0.0.4")
+
+    def model_card() -> dict:
+        return {"id": settings.model_id, "object": "model", "created": started, "owned_by": "hybridkv"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request):
+        authorize(request)
+        if model != settings.model_id:
+            raise ApiError(404, f"the model '{model}' does not exist", param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        status = 500
+        try:
+            authorize(request)
+            body = await read_body(request, settings.max_body_bytes)
+            loop = asyncio.get_running_loop()
+            ticket = await run_in_threadpool(lambda: make_ticket(body, loop))
+            worker.submit(ticket)
+            first = await next_event(ticket, request)
+            if first is None:  # the client left before anything was answered
+                status = 499
+                return Response(status_code=499)
+            if first[0] == "error":
+                raise first[1]
+            response = (streamed(ticket, first) if ticket.chat.stream else
+                        await completed(ticket, first, request))
+            status = response.status_code
+            return response
+        except ApiError as e:
+            status = e.status
+            return error_response(e)
+        finally:
+            metrics.request(status)
+
+    def make_ticket(body: bytes, loop) -> Ticket:
+        try:
+            parsed = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise bad_request(f"the body is not valid JSON ({type(e).__name__})", code="invalid_json") from None
+        chat = parse_chat(parsed, settings)
+        return worker.ticket(chat, resolve_all(chat.media, settings), loop)
+
+    async def completed(ticket: Ticket, event, request: Request) -> Response:
+        while event is not None and event[0] == "delta":
+            event = await next_event(ticket, request)
+        if event is None:
+            return Response(status_code=499)
+        kind, data = event
+        if kind == "error":
+            raise data
+        choice = {"index": 0, "message": {"role": "assistant", "content": data["text"], "refusal": None},
+                  "finish_reason": data["finish_reason"], "logprobs": None}
+        return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                             "created": int(time.time()), "model": settings.model_id, "choices": [choice],
+                             "usage": data["usage"], "hybridkv": data["hybridkv"]})
+
+    def streamed(ticket: Ticket, first) -> StreamingResponse:
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(delta: dict, reason: str | None = None, **extra) -> str:
+            choices = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}] if delta is not None \
+                else []
+            body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": settings.model_id,
+                    "choices": choices, **extra}
+            return f"data: {json.dumps(body)}\n\n"
+
+        async def events():
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                kind, data = first
+                while True:
+                    if kind == "delta":
+                        yield chunk({"content": data})
+                    elif kind == "done":
+                        if data["delta"]:
+                            yield chunk({"content": data["delta"]})
+                        yield chunk({}, data["finish_reason"], hybridkv=data["hybridkv"])
+                        if ticket.chat.include_usage:
+                            yield chunk(None, usage=data["usage"])
+                        break
+                    else:  # an error after the response began: the stream's last event says so
+                        yield f"data: {json.dumps(data.body())}\n\n"
+                        break
+                    kind, data = await ticket.events.get()
+                yield "data: [DONE]\n\n"
+            finally:  # done, or the client went away (the stream is cancelled): stop decoding it
+                ticket.cancelled = True
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    return app
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes (413: refused from its Content-Length, or when it grows past it)."""
+    too_large = ApiError(413, f"the request body is over the server's limit of {limit} bytes (--max-body-bytes)",
+                         code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise too_large if declared.isdigit() else bad_request("bad Content-Length header")
+    chunks, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        chunks.append(part)
+    return b"".join(chunks)
+
+
+async def next_event(ticket: Ticket, request: Request):
+    """The ticket's next event, or None (the ticket cancelled) when the client disconnects first."""
+    getter = asyncio.ensure_future(ticket.events.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return getter.result()
+            if await request.is_disconnected():
+                ticket.cancelled = True
+                return None
+    finally:
+        if not getter.done():
+            getter.cancel()

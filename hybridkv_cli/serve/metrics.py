@@ -1,0 +1,75 @@
+"""The server's counters, and ``GET /metrics`` in Prometheus' text format (version 0.0.4)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+
+#: tokens/s is measured over the last minute of finished answers
+RATE_WINDOW_S = 60.0
+
+
+class Metrics:
+    """Counters updated by the request threads and the worker (one lock)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests: Counter = Counter()  # HTTP status -> chat completion requests answered with it
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.kv_device_bytes = 0  # the decoding members' device KV (the worker's last step)
+        self.members = 0
+        self._recent: deque = deque()  # (finished at, tokens)
+
+    def request(self, status: int) -> None:
+        with self._lock:
+            self.requests[status] += 1
+
+    def answered(self, prompt_tokens: int, tokens: int) -> None:
+        at = time.monotonic()
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += tokens
+            self._recent.append((at, tokens))
+
+    def decoding(self, members: int, device_bytes: int) -> None:
+        with self._lock:
+            self.members, self.kv_device_bytes = members, device_bytes
+
+    def tokens_per_s(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+                self._recent.popleft()
+            return sum(t for _, t in self._recent) / RATE_WINDOW_S
+
+    def render(self, cache, queued: int) -> str:
+        """Every metric as Prometheus text; ``cache``: the prefix cache, ``queued``: requests waiting."""
+        rate = self.tokens_per_s()
+        with self._lock:
+            rows = [("hybridkv_requests_total", "counter", "chat completion requests by HTTP status",
+                     [(f'{{status="{s}"}}', n) for s, n in sorted(self.requests.items())] or [("", 0)]),
+                    ("hybridkv_generated_tokens_total", "counter", "tokens generated", [("", self.generated_tokens)]),
+                    ("hybridkv_prompt_tokens_total", "counter", "prompt tokens of answered requests",
+                     [("", self.prompt_tokens)]),
+                    ("hybridkv_tokens_per_second", "gauge", f"tokens generated per second over the last "
+                     f"{RATE_WINDOW_S:g} s", [("", round(rate, 3))]),
+                    ("hybridkv_prefix_cache_hits_total", "counter", "requests whose compressed prefix was cached",
+                     [("", cache.hits)]),
+                    ("hybridkv_prefix_cache_misses_total", "counter", "requests that prefilled their prefix",
+                     [("", cache.misses)]),
+                    ("hybridkv_prefix_cache_evictions_total", "counter", "prefixes evicted for room",
+                     [("", cache.evictions)]),
+                    ("hybridkv_prefix_cache_entries", "gauge", "compressed prefixes kept", [("", len(cache))]),
+                    ("hybridkv_prefix_cache_bytes", "gauge", "device + host bytes of the kept prefixes",
+                     [("", cache.bytes)]),
+                    ("hybridkv_kv_device_bytes", "gauge", "device KV bytes in use: kept prefixes + decoding answers",
+                     [("", cache.device_bytes + self.kv_device_bytes)]),
+                    ("hybridkv_decoding_requests", "gauge", "requests decoding now", [("", self.members)]),
+                    ("hybridkv_queue_length", "gauge", "requests waiting for the worker", [("", queued)])]
+        lines = []
+        for name, kind, help_text, samples in rows:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{labels} {value}" for labels, value in samples]
+        return "\n".join(lines) + "\n"

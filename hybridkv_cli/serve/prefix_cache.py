@@ -1,0 +1,78 @@
+"""Compressed prefixes kept between requests: a later question about the same media skips its
+decoding, the vision encoder, the prefill and the compression.
+
+The key is a SHA-256 over everything a prefix depends on -- the model, the method and its options,
+how media is sampled and sized, each media's kind and bytes, and (a text prompt) the text before
+the question -- so equal keys are equal prefixes. The value is the engine's shared
+:class:`~hybridkv_cli.engine.Prefix`; every question decodes a copy of it (``Prefix.take``), so
+nothing of one answer reaches the next. Entries are evicted least recently used first, to keep
+their device + host bytes within the cap; a prefix larger than the cap is not kept.
+
+Only the worker thread puts and gets; the lock is for the metrics, read from request threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+
+
+def prefix_key(model: str, method: str, options: dict, sampling: dict, media_digests: list[tuple[str, str]],
+               context: str | None) -> str:
+    """The content hash of a prefix (see the module docstring)."""
+    what = {"model": model, "method": method, "options": options, "sampling": sampling, "media": media_digests,
+            "context": hashlib.sha256(context.encode()).hexdigest() if context is not None else None}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def prefix_bytes(prefix) -> int:
+    return int(prefix.device_bytes) + int(prefix.host_bytes)
+
+
+class PrefixCache:
+    """An LRU of prefixes bounded by their bytes (see the module docstring)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.evictions = 0
+        self.bytes = self.device_bytes = 0
+
+    def get(self, key: str):
+        """The prefix of ``key`` (now the most recently used), or None; counted as a hit or a miss."""
+        with self._lock:
+            prefix = self._entries.get(key)
+            if prefix is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return prefix
+
+    def put(self, key: str, prefix) -> bool:
+        """Keep ``prefix`` under ``key``, evicting the least recently used to make room; False when
+        it alone is over the capacity (not kept)."""
+        size = prefix_bytes(prefix)
+        if size > self.capacity:
+            return False
+        with self._lock:
+            if key in self._entries:
+                self._drop(key)
+            while self._entries and self.bytes + size > self.capacity:
+                self._drop(next(iter(self._entries)))
+                self.evictions += 1
+            self._entries[key] = prefix
+            self.bytes += size
+            self.device_bytes += int(prefix.device_bytes)
+        return True
+
+    def _drop(self, key: str) -> None:
+        prefix = self._entries.pop(key)
+        self.bytes -= prefix_bytes(prefix)
+        self.device_bytes -= int(prefix.device_bytes)
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,245 @@
+"""The one thread that owns the model: requests in, answers out.
+
+Requests wait in a bounded queue (full: 503 with Retry-After). The worker runs the engine's one
+decode loop (:func:`hybridkv_cli.engine.decode`) over that queue as a live source: while requests
+are decoding it admits whatever is waiting, up to ``--max-batch`` members (and ``--kv-memory``),
+and they decode together in one batch step (continuous batching); when nothing decodes it sleeps
+on the queue. A request's job is made when it is admitted: its compressed prefix is taken from the
+:class:`~.prefix_cache.PrefixCache`, or its media decoded, prefilled and compressed once and kept
+(one thread makes every prefix, so requests for the same uncached media prefill it once: the
+second finds it cached); its question is then the job's suffix, read through a copy of that prefix
+-- exactly what ``hybridkv ask MEDIA -Q QUESTION`` does, so the answers are the same.
+
+After every batch step the worker hands each streaming request its new text and stops members
+whose client has gone or whose stop string appeared (their KV freed at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import queue
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridkv_cli.compression import MethodOptions, Policy
+from hybridkv_cli.engine import Job, Limits, decode
+from hybridkv_cli.io.errors import UsageError
+from hybridkv_cli.runs.guards import failure
+from hybridkv_cli.runs.record import make_record
+from hybridkv_cli.runs.session import Session
+from hybridkv_cli.serve.answer_text import AnswerText
+from hybridkv_cli.serve.errors import ApiError, bad_request, from_error
+from hybridkv_cli.serve.media_refs import MediaRef
+from hybridkv_cli.serve.metrics import Metrics
+from hybridkv_cli.serve.prefix_cache import PrefixCache, prefix_key
+from hybridkv_cli.serve.schema import Chat
+from hybridkv_cli.serve.settings import ServeSettings
+
+log = logging.getLogger("hybridkv.serve")
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request on its way through the worker; events go back to the request's event loop:
+    ``("delta", text)``, then ``("done", result)`` or ``("error", ApiError)``."""
+
+    chat: Chat
+    refs: list[MediaRef]
+    policy: Policy
+    key: str
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False  # the client went away: dropped at the next step
+    cache_hit: bool | None = None
+    text: AnswerText | None = None
+
+    def send(self, kind: str, data) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
+        except RuntimeError:  # the request's loop is closed: nobody is listening
+            self.cancelled = True
+
+
+class Worker:
+    """The model's owner (see the module docstring)."""
+
+    def __init__(self, session: Session, settings: ServeSettings, limits: Limits, metrics: Metrics):
+        self.session, self.settings, self.limits, self.metrics = session, settings, limits, metrics
+        self.cache = PrefixCache(settings.prefix_cache_bytes)
+        self.queue: queue.Queue = queue.Queue(maxsize=settings.queue_size)
+        self.active = 0  # jobs taken from the queue whose outcome has not come yet
+        self.inflight: set[Ticket] = set()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hybridkv-worker", daemon=True)
+        generation = session.model().model.generation_config.eos_token_id
+        self.eos = set() if generation is None else {generation} if isinstance(generation, int) else set(generation)
+
+    # --- the request side -------------------------------------------------------------------
+    def policy(self, method: str | None, budget: float | None) -> Policy:
+        """The policy of a request's ``hybridkv`` choice: the server's method and options, the
+        request's method (then with none of the server's other options) and budget; refused with
+        the CLI's own checks."""
+        o = self.session.options
+        name = method or o.method
+        options = o.method_options if name == o.method else MethodOptions()
+        if budget is not None:
+            options = dataclasses.replace(options, budget=budget)
+        try:
+            return options.policy(name)
+        except UsageError as e:  # named by its flag (--budget): the request's field is hybridkv.budget
+            field_name = (e.source or "").lstrip("-").replace("-", "_")
+            raise bad_request(e.reason, f"hybridkv.{field_name}" if field_name else "hybridkv") from None
+
+    def ticket(self, chat: Chat, refs: list[MediaRef], loop) -> Ticket:
+        """A request made ready for the queue: its policy and its prefix's key."""
+        policy = self.policy(chat.method, chat.budget)
+        o = self.session.options
+        options = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+        key = prefix_key(o.model, policy.name, options, {"frames": o.frames, "fps": o.fps, "max_pixels": o.max_pixels,
+                                                         "dtype": o.dtype, "device": o.device},
+                         [(r.kind, r.digest) for r in refs], chat.context)
+        return Ticket(chat, refs, policy, key, loop)
+
+    def submit(self, ticket: Ticket) -> None:
+        if not self.alive:
+            raise ApiError(503, "the server is stopping", type="server_error", code="unavailable")
+        try:
+            self.queue.put_nowait(ticket)
+        except queue.Full:
+            raise ApiError(503, f"the server is busy ({self.settings.queue_size} requests waiting); retry later",
+                           type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._thread.join(timeout)
+
+    # --- the worker thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        model = lambda: self.session.model().model
+        while not self._stopping.is_set():
+            try:
+                for outcome in decode(model, self._source(), max_new_tokens=self.session.options.max_new_tokens,
+                                      limits=self.limits, watch=self._watch):
+                    self.active -= 1
+                    self._finish(outcome)
+            except Exception:  # a bug in the loop: fail what was in flight and go on serving
+                log.exception("the decode loop failed; its requests get a 500")
+                for ticket in self.inflight:
+                    ticket.send("error", from_error(RuntimeError()))
+                self.inflight.clear()
+                self.active = 0
+        for ticket in list(self.inflight) + self._drain():
+            ticket.send("error", ApiError(503, "the server is stopping", type="server_error", code="unavailable"))
+
+    def _drain(self) -> list[Ticket]:
+        left = []
+        while True:
+            try:
+                left.append(self.queue.get_nowait())
+            except queue.Empty:
+                return left
+
+    def _source(self):
+        """The decode loop's jobs: whatever is waiting, None when nothing is (a step goes on), and
+        a blocking wait when nothing decodes."""
+        while not self._stopping.is_set():
+            try:
+                ticket = self.queue.get(timeout=0.5) if self.active == 0 else self.queue.get_nowait()
+            except queue.Empty:
+                if self.active:
+                    yield None
+                continue
+            if ticket.cancelled:
+                continue
+            self.active += 1
+            self.inflight.add(ticket)
+            yield ticket, lambda ticket=ticket: self._job(ticket)
+
+    def _job(self, ticket: Ticket) -> Job:
+        chat = ticket.chat
+        prefix = self.cache.get(ticket.key)
+        ticket.cache_hit = prefix is not None
+        if prefix is None:
+            prefix = self._compress(ticket)
+            self.cache.put(ticket.key, prefix)
+        ticket.refs = []  # decoded: the bytes can go
+        tokenizer = self.session.model().tokenizer
+        ticket.text = AnswerText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), chat.stop)
+        return self.session.question_job(prefix, chat.question, ticket, max_new_tokens=chat.max_tokens,
+                                         source="request")
+
+    def _compress(self, ticket: Ticket):
+        """The request's media (or text) prefilled and compressed with its policy, as ``ask -Q`` does."""
+        chat, refs = ticket.chat, ticket.refs
+        if chat.context is not None:
+            return self.session.compress_media(None, context=chat.context, policy=ticket.policy)
+        label = refs[0].label if len(refs) == 1 else f"{refs[0].label} + {len(refs) - 1} more"
+        with tempfile.TemporaryDirectory(prefix="hybridkv-serve-") as folder:  # the media loader reads files
+            paths = []
+            for i, ref in enumerate(refs):
+                paths.append(os.path.join(folder, f"{i:04d}{ref.suffix}"))
+                with open(paths[-1], "wb") as f:
+                    f.write(ref.data)
+            media = self.session.load_media(paths)
+        # named by content, not by the temporary files (gone now)
+        media = dataclasses.replace(media, origin=label, sources=tuple(Path(f"sha256-{r.digest}") for r in refs))
+        return self.session.compress_media(media, source=label, policy=ticket.policy)
+
+    def _watch(self, members) -> list:
+        """After a step: new text to streaming clients; the members to stop (client gone, stop string)."""
+        stop = []
+        for m in members:
+            ticket = m.job.tag
+            if ticket.cancelled:
+                stop.append(m)
+            elif ticket.chat.stream or ticket.chat.stop:
+                delta = ticket.text.update(m.tokens)
+                if delta and ticket.chat.stream:
+                    ticket.send("delta", delta)
+                if ticket.text.stopped:
+                    stop.append(m)
+        self.metrics.decoding(len(members) - len(stop), sum(m.bytes for m in members if m not in stop))
+        return stop
+
+    def _finish(self, outcome) -> None:
+        ticket: Ticket = outcome.job.tag
+        self.inflight.discard(ticket)
+        if self.active == 0:
+            self.metrics.decoding(0, 0)
+        if ticket.cancelled:
+            return
+        if outcome.error is not None:
+            error = from_error(failure("request", outcome.error))
+            if error.status == 500:  # not one of the package's one-line errors: the log keeps its traceback
+                log.error("request failed", exc_info=outcome.error)
+            ticket.send("error", error)
+            return
+        job, run = outcome.job, outcome.generation
+        prefix = job.prefix
+        record = make_record(self.session.model(), {**prefix.info, "text_tokens": len(job.suffix)},
+                             ticket.chat.question, prefix.policy, run, True, outcome.batch)
+        delta = ticket.text.finish(run.tokens)
+        limit = job.max_new_tokens or self.session.options.max_new_tokens
+        ended = bool(run.tokens) and run.tokens[-1] in self.eos
+        reason = "length" if not ticket.text.stopped and not ended and len(run.tokens) >= limit else "stop"
+        prompt_tokens = prefix.seen + len(job.suffix)
+        self.metrics.answered(prompt_tokens, len(run.tokens))
+        info = {k: record[k] for k in ("method", "budget", "prefill_s", "decode", "kv")}
+        info["input"] = {k: v for k, v in record["input"].items() if k != "files"}
+        info["prefix_cache_hit"] = ticket.cache_hit
+        info["prefix_prefill_s"] = None if ticket.cache_hit else prefix.prefill_s
+        ticket.send("done", {"text": ticket.text.sent, "delta": delta, "finish_reason": reason,
+                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(run.tokens),
+                                       "total_tokens": prompt_tokens + len(run.tokens)}, "hybridkv": info})
