@@ -38,7 +38,7 @@ class AnswerText:
             for s in self.stop:  # a tail that may grow into a stop string waits
                 for n in range(min(len(s) - 1, len(safe)), 0, -1):
                     if safe.endswith(s[:n]):
-                        safe = safe[:-n]
+                        safe = safe[:-n].rstrip()  # the final text is stripped before a stop string too
                         break
         return self._advance(safe)
 

@@ -1,0 +1,305 @@
+"""``hybridkv serve``: the OpenAI-compatible server on the demo model, through the official client.
+
+One server runs in process for the module (uvicorn in a thread, an API key, a media directory);
+the answers it gives are compared with the CLI's (``Session.answer_all``, what ``hybridkv ask MEDIA
+-Q QUESTION`` runs) computed with the same model before the server starts.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+ROOT = Path(__file__).resolve().parents[1]
+NEEDLE, SHAPES = ROOT / "sample_media" / "needle.mp4", ROOT / "sample_media" / "shapes.mp4"
+KEY = "sk-test-key"
+QUESTIONS = [json.loads(line)["question"] for line in (ROOT / "sample_media" / "questions.jsonl").open()]
+SHAPES_QUESTION = "Which shape appears first?"
+SERVED_DIR: list[str] = []  # the server's --allowed-media-dir (set by the server fixture)
+
+
+def data_url(path: Path, media_type: str = "video/mp4") -> str:
+    return f"data:{media_type};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def video_message(url: str, question: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                         {"type": "text", "text": question}]}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("allowed")
+    shutil.copy(NEEDLE, folder / "needle.mp4")
+    shutil.copy(NEEDLE, folder.parent / "secret.mp4")  # ../secret.mp4, outside the directory
+    os.symlink(folder.parent / "secret.mp4", folder / "link.mp4")  # a link out of the directory
+    (folder / "broken.mp4").write_bytes(NEEDLE.read_bytes()[:40] + b"\0" * 4000)  # looks like MP4, does not decode
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(media_dir):
+    """``(base_url, expected answers)``: a served demo model on a free port."""
+    import uvicorn
+
+    from hybridkv_cli.engine import Limits
+    from hybridkv_cli.runs.inputs import Item
+    from hybridkv_cli.runs.session import AskOptions, Session
+    from hybridkv_cli.serve.app import create_app
+    from hybridkv_cli.serve.metrics import Metrics
+    from hybridkv_cli.serve.settings import ServeSettings
+    from hybridkv_cli.serve.worker import Worker
+
+    session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
+    expected = {(NEEDLE.name, r["question"]): r["answer"] for r in session.answer_all(Item((str(NEEDLE),)), QUESTIONS)}
+    expected[(SHAPES.name, SHAPES_QUESTION)] = session.answer_all(Item((str(SHAPES),)), [SHAPES_QUESTION])[0]["answer"]
+    settings = ServeSettings(model_id="demo", allowed_media_dir=str(media_dir), api_key=KEY,
+                             max_body_bytes=2**20, max_messages=64, max_batch=8, queue_size=64)
+    metrics = Metrics()
+    app = create_app(Worker(session, settings, Limits(batch_size=8), metrics), settings, metrics)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert uv.started
+    SERVED_DIR[:] = [str(media_dir)]
+    yield f"http://127.0.0.1:{port}", expected
+    uv.should_exit = True
+    thread.join(15)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def stream_answer(client, messages, **kw) -> tuple[str, float, list]:
+    """The streamed text, the seconds to its first content, and the chunks."""
+    start, first, chunks = time.perf_counter(), None, []
+    for chunk in client.chat.completions.create(model="demo", messages=messages, stream=True, **kw):
+        chunks.append(chunk)
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter() - start
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, first, chunks
+
+
+# --- answers -------------------------------------------------------------------------------------
+def test_answers_equal_the_cli_from_a_data_url_and_a_file(server, client):
+    base, expected = server
+    assert expected[(NEEDLE.name, "What colour is the star?")] == "red"
+    for url in (data_url(NEEDLE), "needle.mp4", f"file://{SERVED_DIR[0]}/needle.mp4"):
+        for question in QUESTIONS:
+            r = client.chat.completions.create(model="demo", messages=video_message(url, question))
+            assert r.choices[0].message.content == expected[(NEEDLE.name, question)], (url[:40], question)
+            assert r.choices[0].finish_reason == "stop"
+            assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 512  # 512 visual tokens + the text
+    text, _, chunks = stream_answer(client, video_message(data_url(NEEDLE), "What colour is the star?"),
+                                    stream_options={"include_usage": True})
+    assert text == "red"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens >= 1 and not chunks[-1].choices
+
+
+def test_second_question_about_a_video_is_a_prefix_cache_hit_and_skips_prefill(server, client):
+    base, expected = server
+    url = data_url(SHAPES)
+    misses, hits = metric(base, "hybridkv_prefix_cache_misses_total"), metric(base, "hybridkv_prefix_cache_hits_total")
+    first_text, first_ttft, first = stream_answer(client, video_message(url, SHAPES_QUESTION))
+    assert metric(base, "hybridkv_prefix_cache_misses_total") == misses + 1
+    second_text, second_ttft, second = stream_answer(client, video_message(url, SHAPES_QUESTION))
+    assert metric(base, "hybridkv_prefix_cache_hits_total") == hits + 1
+    assert first_text == second_text == expected[(SHAPES.name, SHAPES_QUESTION)]
+    info = [c.model_extra["hybridkv"] for c in first + second if c.model_extra.get("hybridkv")]
+    assert [i["prefix_cache_hit"] for i in info] == [False, True]
+    assert info[0]["prefix_prefill_s"] > 0 and info[1]["prefix_prefill_s"] is None
+    # the miss decodes the video, runs the vision encoder and prefills 2k tokens; the hit feeds the question only
+    assert second_ttft < first_ttft / 2, (first_ttft, second_ttft)
+
+
+def test_stop_strings_and_max_tokens(server, client):
+    messages = video_message(data_url(NEEDLE), "What colour is the star?")
+    r = client.chat.completions.create(model="demo", messages=messages, stop=["e"])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("r", "stop")
+    text, _, chunks = stream_answer(client, messages, stop="ed")
+    assert text == "r" and chunks[-1].choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model="demo", messages=messages, max_tokens=1)
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "length"
+    assert "red".startswith(r.choices[0].message.content)
+
+
+def test_concurrent_clients_get_the_cli_answers_decoded_together(server, client):
+    base, expected = server
+    asks = [(path, question) for path, question in
+            [(NEEDLE, q) for q in QUESTIONS[:3]] + [(SHAPES, SHAPES_QUESTION)]] * 2  # 8 clients, 2 videos
+    urls = {NEEDLE: data_url(NEEDLE), SHAPES: data_url(SHAPES)}
+
+    def ask(pair):
+        path, question = pair
+        r = client.chat.completions.create(model="demo", messages=video_message(urls[path], question))
+        return r.choices[0].message.content, r.model_extra["hybridkv"]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, asks))
+    assert [text for text, _ in results] == [expected[(p.name, q)] for p, q in asks]
+    assert max(info["batch"]["size_max"] for _, info in results) > 1  # decoded together, not one at a time
+
+
+# --- refusals: each one JSON error, and the server answers after it -----------------------------------
+def _post(base, body=None, *, key=KEY, raw: bytes | None = None, path="/v1/chat/completions"):
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.post(base + path, content=raw if raw is not None else json.dumps(body), headers=headers, timeout=60)
+
+
+def _good(url=None, question="What colour is the star?", **extra):
+    return {"model": "demo", "messages": video_message(url or "needle.mp4", question), **extra}
+
+
+REFUSALS = {
+    "dot-dot escape": (lambda: _good("../secret.mp4"), 400, "file_not_allowed"),
+    "symlink out": (lambda: _good("link.mp4"), 400, "file_not_allowed"),
+    "/etc/passwd": (lambda: _good("file:///etc/passwd"), 400, "file_not_allowed"),
+    "http url": (lambda: _good("http://127.0.0.1:1/clip.mp4"), 400, "unsupported_url"),
+    "data url not media": (lambda: _good("data:video/mp4;base64," + base64.b64encode(b"hello" * 20).decode()), 400,
+                           "invalid_media"),
+    "image part with a video": (lambda: {"model": "demo", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(NEEDLE, "image/png")}},
+        {"type": "text", "text": "?"}]}]}, 400, "invalid_media"),
+    "undecodable video": (lambda: _good("broken.mp4"), 422, "invalid_media"),
+    "unknown field": (lambda: _good(logit_bias_typo=1), 400, "unknown_parameter"),
+    "10k messages": (lambda: {"model": "demo", "messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, None),
+    "max_tokens over the context": (lambda: _good(max_tokens=40_000), 400, "context_length_exceeded"),
+    "sampling": (lambda: _good(temperature=0.8), 400, "unsupported_value"),
+    "bad budget": (lambda: _good(hybridkv={"method": "snapkv", "budget": 1.5}), 400, None),
+    "unknown method": (lambda: _good(hybridkv={"method": "os.system"}), 400, None),
+    "another model": (lambda: {**_good(), "model": "gpt-4"}, 404, "model_not_found"),
+    "a system turn": (lambda: {"model": "demo", "messages": [{"role": "system", "content": "be brief"},
+                                                            *video_message("needle.mp4", "?")]}, 400, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_refusals_are_json_errors_and_the_server_goes_on(server, case):
+    base, _ = server
+    body, status, code = REFUSALS[case]
+    r = _post(base, body())
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and "Traceback" not in r.text
+    if code is not None:
+        assert error["code"] == code, error
+    assert _post(base, _good()).json()["choices"][0]["message"]["content"] == "red"
+
+
+def test_key_size_json_and_route_errors(server):
+    base, _ = server
+    for key in ("wrong", None):
+        r = _post(base, _good(), key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(base + "/v1/models").status_code == 401
+    assert httpx.get(base + "/metrics").status_code == 401
+    r = _post(base, raw=b'{"model": "demo", "pad": "' + b"x" * (2**20 + 10) + b'"}')
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = _post(base, raw=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.get(base + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    models = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert [m["id"] for m in models["data"]] == ["demo"]
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for name in ("hybridkv_requests_total", "hybridkv_generated_tokens_total", "hybridkv_tokens_per_second",
+                 "hybridkv_kv_device_bytes", "hybridkv_queue_length"):
+        assert f"# TYPE {name} " in text
+    assert re.search(r'^hybridkv_requests_total\{status="401"\} [1-9]', text, re.M)
+
+
+# --- pieces --------------------------------------------------------------------------------------
+def test_answer_text_streams_a_prefix_of_the_final_text_and_cuts_at_stop():
+    from hybridkv_cli.serve.answer_text import AnswerText
+
+    words = ["  The", " star", " is", " red", ".", " END", " more"]
+    decode = lambda ids: "".join(words[i] for i in ids)
+    text = AnswerText(decode, stop=(" END",))
+    given = "".join(text.update(list(range(n))) for n in range(1, len(words) + 1))
+    assert text.stopped and given == "The star is red." and text.finish(list(range(len(words)))) == ""
+    held = AnswerText(decode, stop=("red.",))
+    assert held.update([0, 1, 2, 3]) == "The star is"  # " red" may begin the stop string: held back
+    assert held.update([0, 1, 2, 3, 4]) == "" and held.stopped and held.final([0, 1, 2, 3, 4]) == "The star is"
+
+
+def test_prefix_cache_keeps_within_its_bytes_least_recently_used_first():
+    from types import SimpleNamespace
+
+    from hybridkv_cli.serve.prefix_cache import PrefixCache, prefix_key
+
+    cache = PrefixCache(capacity=100)
+    p = lambda n: SimpleNamespace(device_bytes=n, host_bytes=n)
+    assert cache.put("a", p(20)) and cache.put("b", p(20)) and cache.get("a") is not None
+    assert cache.put("c", p(20))  # 120 > 100: "b", the least recently used, goes
+    assert cache.get("b") is None and cache.get("a") is not None and cache.bytes == 80 and cache.device_bytes == 40
+    assert not cache.put("huge", p(60)) and len(cache) == 2
+    key = lambda **kw: prefix_key(**{"model": "demo", "method": "hybridkv", "options": {"budget": 0.1},
+                                     "sampling": {"frames": 64}, "media_digests": [("video", "ab")],
+                                     "context": None, **kw})
+    assert key() == key() and len({key(), key(options={"budget": 0.2}), key(media_digests=[("video", "cd")]),
+                                   key(model="other"), key(sampling={"frames": 32})}) == 5
+
+
+@pytest.mark.slow
+def test_the_command_starts_fast_and_answers(tmp_path):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    bad = subprocess.run([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo",
+                          "--allowed-media-dir", str(tmp_path / "missing")], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "--allowed-media-dir" in bad.stderr and "Traceback" not in bad.stderr
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo", "--port",
+                             str(port), "--quiet"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        while time.perf_counter() - started < 30:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        ready = time.perf_counter() - started
+        assert ready < 10, ready
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=_good(data_url(NEEDLE)), timeout=60)
+        assert r.json()["choices"][0]["message"]["content"] == "red"
+    finally:
+        proc.terminate()
+        assert proc.wait(15) == 0, proc.stderr.read()
