@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -59,26 +60,18 @@ def media_dir(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def server(media_dir):
-    """``(base_url, expected answers)``: a served demo model on a free port."""
+@contextmanager
+def serving(session, settings):
+    """``settings``' server around ``session`` on a free port, uvicorn in a thread; yields its URL."""
     import uvicorn
 
     from hybridkv_cli.engine import Limits
-    from hybridkv_cli.runs.inputs import Item
-    from hybridkv_cli.runs.session import AskOptions, Session
     from hybridkv_cli.serve.app import create_app
     from hybridkv_cli.serve.metrics import Metrics
-    from hybridkv_cli.serve.settings import ServeSettings
     from hybridkv_cli.serve.worker import Worker
 
-    session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
-    expected = {(NEEDLE.name, r["question"]): r["answer"] for r in session.answer_all(Item((str(NEEDLE),)), QUESTIONS)}
-    expected[(SHAPES.name, SHAPES_QUESTION)] = session.answer_all(Item((str(SHAPES),)), [SHAPES_QUESTION])[0]["answer"]
-    settings = ServeSettings(model_id="demo", allowed_media_dir=str(media_dir), api_key=KEY,
-                             max_body_bytes=2**20, max_messages=64, max_batch=8, queue_size=64)
     metrics = Metrics()
-    app = create_app(Worker(session, settings, Limits(batch_size=8), metrics), settings, metrics)
+    app = create_app(Worker(session, settings, Limits(batch_size=settings.max_batch), metrics), settings, metrics)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -87,10 +80,28 @@ def server(media_dir):
     while not uv.started and time.monotonic() < deadline:
         time.sleep(0.05)
     assert uv.started
-    SERVED_DIR[:] = [str(media_dir)]
-    yield f"http://127.0.0.1:{port}", expected
-    uv.should_exit = True
-    thread.join(15)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def server(media_dir):
+    """``(base_url, expected answers)``: a served demo model; the answers are the CLI's."""
+    from hybridkv_cli.runs.inputs import Item
+    from hybridkv_cli.runs.session import AskOptions, Session
+    from hybridkv_cli.serve.settings import ServeSettings
+
+    session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
+    expected = {(NEEDLE.name, r["question"]): r["answer"] for r in session.answer_all(Item((str(NEEDLE),)), QUESTIONS)}
+    expected[(SHAPES.name, SHAPES_QUESTION)] = session.answer_all(Item((str(SHAPES),)), [SHAPES_QUESTION])[0]["answer"]
+    settings = ServeSettings(model_id="demo", allowed_media_dir=str(media_dir), api_key=KEY,
+                             max_body_bytes=2**20, max_messages=64, max_batch=8, queue_size=64)
+    with serving(session, settings) as base:
+        SERVED_DIR[:] = [str(media_dir)]
+        yield base, expected
 
 
 @pytest.fixture
@@ -98,8 +109,8 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def metric(base: str, name: str) -> float:
-    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+def metric(base: str, name: str, key: str | None = KEY) -> float:
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).text
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
@@ -245,6 +256,29 @@ def test_key_size_json_and_route_errors(server):
                  "hybridkv_kv_device_bytes", "hybridkv_queue_length"):
         assert f"# TYPE {name} " in text
     assert re.search(r'^hybridkv_requests_total\{status="401"\} [1-9]', text, re.M)
+
+
+def test_a_client_that_leaves_is_cancelled():
+    """demo-random rarely ends an answer: a request for 3000 tokens runs until its client leaves."""
+    from hybridkv_cli.runs.session import AskOptions, Session
+    from hybridkv_cli.serve.settings import ServeSettings
+
+    session = Session(AskOptions(model="demo-random", defer_question=True))
+    with serving(session, ServeSettings(model_id="demo-random")) as base:
+        body = {**_good(data_url(NEEDLE)), "model": "demo-random", "max_tokens": 3000}
+        with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = [line for _, line in zip(range(6), r.iter_lines()) if line]
+        assert all(line.startswith("data: {") for line in lines)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/chat/completions", json=body, timeout=1.0)
+        deadline = time.monotonic() + 20
+        while metric(base, "hybridkv_cancelled_total", None) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(base, "hybridkv_cancelled_total", None) == 2
+        assert metric(base, "hybridkv_decoding_requests", None) == 0
+        assert metric(base, "hybridkv_generated_tokens_total", None) < 1000  # of the 6000 asked for
+        short = httpx.post(base + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=60).json()
+        assert short["usage"]["completion_tokens"] == 4 and short["choices"][0]["finish_reason"] == "length"
 
 
 # --- pieces --------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.kv_device_bytes = 0  # the decoding members' device KV (the worker's last step)
         self.members = 0
+        self.cancelled = 0  # requests dropped because their client went away
         self._recent: deque = deque()  # (finished at, tokens)
 
     def request(self, status: int) -> None:
@@ -32,6 +33,10 @@ class Metrics:
             self.prompt_tokens += prompt_tokens
             self.generated_tokens += tokens
             self._recent.append((at, tokens))
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled += 1
 
     def decoding(self, members: int, device_bytes: int) -> None:
         with self._lock:
@@ -55,6 +60,8 @@ class Metrics:
                      [("", self.prompt_tokens)]),
                     ("hybridkv_tokens_per_second", "gauge", f"tokens generated per second over the last "
                      f"{RATE_WINDOW_S:g} s", [("", round(rate, 3))]),
+                    ("hybridkv_cancelled_total", "counter", "requests dropped because their client went away",
+                     [("", self.cancelled)]),
                     ("hybridkv_prefix_cache_hits_total", "counter", "requests whose compressed prefix was cached",
                      [("", cache.hits)]),
                     ("hybridkv_prefix_cache_misses_total", "counter", "requests that prefilled their prefix",

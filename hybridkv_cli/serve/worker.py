@@ -161,7 +161,8 @@ class Worker:
                 if self.active:
                     yield None
                 continue
-            if ticket.cancelled:
+            if ticket.cancelled:  # its client left while it waited
+                self.metrics.cancel()
                 continue
             self.active += 1
             self.inflight.add(ticket)
@@ -204,6 +205,7 @@ class Worker:
             ticket = m.job.tag
             if ticket.cancelled:
                 stop.append(m)
+                self.metrics.cancel()
             elif ticket.chat.stream or ticket.chat.stop:
                 delta = ticket.text.update(m.tokens)
                 if delta and ticket.chat.stream:
@@ -218,7 +220,9 @@ class Worker:
         self.inflight.discard(ticket)
         if self.active == 0:
             self.metrics.decoding(0, 0)
-        if ticket.cancelled:
+        if ticket.cancelled:  # stopped early: its tokens still count as generated
+            if outcome.generation is not None:
+                self.metrics.answered(0, len(outcome.generation.tokens))
             return
         if outcome.error is not None:
             error = from_error(failure("request", outcome.error))

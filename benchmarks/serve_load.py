@@ -1,0 +1,185 @@
+"""Load on ``hybridkv serve``: N concurrent clients over M distinct videos, batched vs one at a time.
+
+    python benchmarks/serve_load.py --clients 32 --videos 8 --out serve_load.json
+
+For each server setting (``--max-batch 8`` and the one-at-a-time baseline ``--max-batch 1``) the
+script starts ``hybridkv serve --model demo`` on a free port (time to a healthy ``/health``), then
+
+1. **first vs second question**: for each of M fresh videos, one streamed question (a prefix-cache
+   miss: the video is decoded, encoded, prefilled and compressed) then another question about the
+   same video (a hit), one request at a time; time to the first streamed token of each;
+2. **load**: N clients at once, each asking ``--requests`` questions in a row about its video
+   (client i: video i mod M) through the official ``openai`` client; answers/s over the whole
+   wall clock, p50 / p99 latency, failures, and whether every answer equals the answer the other
+   setting gave for the same video and question.
+
+The videos are the demo's synthetic clips (``training/synthetic.py``: 112x112, 64 frames by
+default, ``--frames`` for longer ones), written to a temporary folder and sent as ``data:`` URLs.
+The load phase uses videos of its own, so its caches start cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from training import synthetic as S  # noqa: E402  (the repository's training package)
+
+
+def make_videos(folder: Path, count: int, seed: int, frames: int) -> list[tuple[str, list[str]]]:
+    """``count`` distinct clips as ``(data URL, questions)``, each with at least two questions."""
+    videos, rng = [], np.random.default_rng(seed)
+    while len(videos) < count:
+        scene = S.make_scene(rng, frames)
+        questions = list(dict.fromkeys(qa.question for qa in scene.qas))
+        if len(questions) < 2:
+            continue
+        path = folder / f"clip{seed}-{len(videos)}.mp4"
+        S.write_mp4(path, scene.video)
+        videos.append(("data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode(), questions))
+    return videos
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(max_batch: int, extra: list[str]) -> tuple[subprocess.Popen, str, float]:
+    port = free_port()
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo", "--port", str(port),
+                             "--max-batch", str(max_batch), "--queue-size", "1024", "--quiet", *extra],
+                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    base = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base, time.perf_counter() - started
+        except httpx.TransportError:
+            if proc.poll() is not None or time.perf_counter() - started > 120:
+                raise SystemExit(f"the server did not start (exit {proc.poll()})")
+            time.sleep(0.05)
+
+
+def messages(url: str, question: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                         {"type": "text", "text": question}]}]
+
+
+def first_token(client, url: str, question: str) -> tuple[float, str]:
+    start, ttft, text = time.perf_counter(), None, []
+    for chunk in client.chat.completions.create(model="demo", messages=messages(url, question), stream=True):
+        piece = chunk.choices[0].delta.content if chunk.choices else None
+        if piece:
+            ttft = ttft or time.perf_counter() - start
+            text.append(piece)
+    return ttft if ttft is not None else time.perf_counter() - start, "".join(text)
+
+
+def metric(text: str, name: str) -> int:
+    return int(float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run_setting(max_batch: int, args, ttft_videos, load_videos) -> dict:
+    proc, base, startup = start_server(max_batch, args.server_args)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600,
+                           http_client=httpx.Client(limits=httpx.Limits(max_connections=args.clients + 8)))
+    try:
+        first, second = [], []
+        for url, questions in ttft_videos:
+            first.append(first_token(client, url, questions[0])[0])
+            second.append(first_token(client, url, questions[1])[0])
+
+        def one_client(i: int) -> list[tuple]:
+            url, questions = load_videos[i % len(load_videos)]
+            done = []
+            for r in range(args.requests):
+                question = questions[(i // len(load_videos) + r) % len(questions)]
+                start = time.perf_counter()
+                try:
+                    reply = client.chat.completions.create(model="demo", messages=messages(url, question))
+                    done.append((i % len(load_videos), question, reply.choices[0].message.content,
+                                 time.perf_counter() - start, None))
+                except openai.APIError as e:
+                    done.append((i % len(load_videos), question, None, time.perf_counter() - start, str(e)))
+            return done
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            results = [row for rows in pool.map(one_client, range(args.clients)) for row in rows]
+        wall = time.perf_counter() - start
+        metrics = httpx.get(base + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    latencies = [r[3] for r in results]
+    return {
+        "max_batch": max_batch, "startup_s": startup,
+        "ttft_first_s": statistics.median(first), "ttft_second_s": statistics.median(second),
+        "ttft_ratio": statistics.median(first) / statistics.median(second),
+        "answers": len(results), "failures": sum(r[4] is not None for r in results), "wall_s": wall,
+        "answers_per_s": len(results) / wall, "latency_p50_s": percentile(latencies, 0.5),
+        "latency_p99_s": percentile(latencies, 0.99),
+        "hits": metric(metrics, "hybridkv_prefix_cache_hits_total"),
+        "misses": metric(metrics, "hybridkv_prefix_cache_misses_total"),
+        "answers_by_question": {f"{v}|{q}": a for v, q, a, _, e in results if e is None},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--videos", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=4, help="questions each client asks in a row")
+    parser.add_argument("--frames", type=int, default=S.FRAMES, help="frames of each synthetic clip")
+    parser.add_argument("--batch", type=int, default=8, help="--max-batch of the batched server")
+    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                        help="more flags for `hybridkv serve` (last on the line)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        ttft_videos = make_videos(Path(folder), args.videos, 1, args.frames)
+        load_videos = make_videos(Path(folder), args.videos, 2, args.frames)
+    rows = [run_setting(b, args, ttft_videos, load_videos) for b in (args.batch, 1)]
+    batched, serial = rows
+    same = batched.pop("answers_by_question") == serial.pop("answers_by_question")
+    summary = {"clients": args.clients, "videos": args.videos, "requests_per_client": args.requests,
+               "frames": args.frames, "settings": rows, "same_answers": same,
+               "throughput_ratio": batched["answers_per_s"] / serial["answers_per_s"]}
+    for r in rows:
+        print(f"max-batch {r['max_batch']:>3}: startup {r['startup_s']:.1f} s | TTFT first {r['ttft_first_s'] * 1e3:.0f} "
+              f"ms, second {r['ttft_second_s'] * 1e3:.0f} ms ({r['ttft_ratio']:.1f}x) | {r['answers']} answers "
+              f"in {r['wall_s']:.1f} s = {r['answers_per_s']:.1f}/s, p50 {r['latency_p50_s'] * 1e3:.0f} ms, p99 "
+              f"{r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed | cache {r['hits']} hits / {r['misses']} misses")
+    print(f"throughput batched / one at a time: {summary['throughput_ratio']:.1f}x; same answers: {same}")
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
