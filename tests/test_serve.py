@@ -32,6 +32,9 @@ NEEDLE, SHAPES = ROOT / "sample_media" / "needle.mp4", ROOT / "sample_media" / "
 KEY = "sk-test-key"
 QUESTIONS = [json.loads(line)["question"] for line in (ROOT / "sample_media" / "questions.jsonl").open()]
 SHAPES_QUESTION = "Which shape appears first?"
+IMAGES = [ROOT / "sample_media" / "images" / name for name in ("red_circle.png", "blue_square.jpg")]
+IMAGE_QUESTION = "Which image has a red circle?"
+TEXT, TEXT_QUESTION = "The pass key is 4711. Remember it.", "What is the pass key?"
 SERVED_DIR: list[str] = []  # the server's --allowed-media-dir (set by the server fixture)
 
 
@@ -97,6 +100,8 @@ def server(media_dir):
     session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
     expected = {(NEEDLE.name, r["question"]): r["answer"] for r in session.answer_all(Item((str(NEEDLE),)), QUESTIONS)}
     expected[(SHAPES.name, SHAPES_QUESTION)] = session.answer_all(Item((str(SHAPES),)), [SHAPES_QUESTION])[0]["answer"]
+    expected["images"] = session.answer_all(Item(tuple(map(str, IMAGES))), [IMAGE_QUESTION])[0]["answer"]
+    expected["text"] = session.answer_all(Item(()), [TEXT_QUESTION], context=TEXT)[0]["answer"]
     settings = ServeSettings(model_id="demo", allowed_media_dir=str(media_dir), api_key=KEY,
                              max_body_bytes=2**20, max_messages=64, max_batch=8, queue_size=64)
     with serving(session, settings) as base:
@@ -141,6 +146,20 @@ def test_answers_equal_the_cli_from_a_data_url_and_a_file(server, client):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage.completion_tokens >= 1 and not chunks[-1].choices
+
+
+def test_an_image_set_and_a_text_prompt_equal_the_cli(server, client):
+    base, expected = server
+    images = [{"type": "image_url", "image_url": {"url": data_url(IMAGES[0], "image/png")}},
+              {"type": "image_url", "image_url": {"url": data_url(IMAGES[1], "image/jpeg")}}]
+    r = client.chat.completions.create(model="demo", messages=[
+        {"role": "user", "content": [*images, {"type": "text", "text": IMAGE_QUESTION}]}])
+    assert r.choices[0].message.content == expected["images"]
+    assert r.model_extra["hybridkv"]["input"]["kind"] == "images"
+    r = client.chat.completions.create(model="demo", messages=[
+        {"role": "user", "content": [{"type": "text", "text": TEXT}, {"type": "text", "text": TEXT_QUESTION}]}])
+    assert r.choices[0].message.content == expected["text"]
+    assert r.model_extra["hybridkv"]["input"]["kind"] == "text"
 
 
 def test_second_question_about_a_video_is_a_prefix_cache_hit_and_skips_prefill(server, client):
@@ -210,6 +229,13 @@ REFUSALS = {
         {"type": "image_url", "image_url": {"url": data_url(NEEDLE, "image/png")}},
         {"type": "text", "text": "?"}]}]}, 400, "invalid_media"),
     "undecodable video": (lambda: _good("broken.mp4"), 422, "invalid_media"),
+    "a video beside an image": (lambda: {"model": "demo", "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "needle.mp4"}},
+        {"type": "image_url", "image_url": {"url": data_url(IMAGES[0], "image/png")}},
+        {"type": "text", "text": "?"}]}]}, 400, None),
+    "an audio part": (lambda: {"model": "demo", "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, {"type": "text", "text": "?"}]}]},
+        400, None),
     "unknown field": (lambda: _good(logit_bias_typo=1), 400, "unknown_parameter"),
     "10k messages": (lambda: {"model": "demo", "messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, None),
     "max_tokens over the context": (lambda: _good(max_tokens=40_000), 400, "context_length_exceeded"),

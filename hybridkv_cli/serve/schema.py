@@ -10,7 +10,7 @@ probabilities, tools, other turns.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -42,7 +42,7 @@ class VideoPart(_Strict):
     video_url: UrlRef
 
 
-Part = Union[TextPart, ImagePart, VideoPart]
+Part = Annotated[Union[TextPart, ImagePart, VideoPart], Field(discriminator="type")]
 
 
 class Message(_Strict):
@@ -122,13 +122,26 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
                 budget=choice.budget)
 
 
+_BRANCHES = {"str", "int", "float", "bool", "none"}  # how pydantic names the branches of a union in a location
+_TAGS = {"text", "image_url", "video_url"}  # the content parts' tags
+
+
 def _refusal(error: ValidationError) -> ApiError:
-    """The first problem of ``error`` as one line naming the field."""
-    first = error.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and p[0].isupper() or "[" in str(p)))
-    if first["type"] == "extra_forbidden":
+    """The most specific problem of ``error`` (the deepest field: a union's other branches are
+    less telling) as one line naming the field, e.g. ``messages[0].content[1].type``."""
+    problem = max(error.errors(include_url=False), key=lambda e: len(e["loc"]))
+    where, previous = "", None
+    for part in problem["loc"]:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif isinstance(previous, int) and part in _TAGS:
+            pass  # the tag of a content part, not a field
+        elif part not in _BRANCHES and "[" not in part and not part[:1].isupper():
+            where += f".{part}" if where else part
+        previous = part
+    if problem["type"] == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {where}", where, "unknown_parameter")
-    return bad_request(f"{where}: {first['msg']}", where or None)
+    return bad_request(f"{where}: {problem['msg']}", where or None)
 
 
 def _greedy_only(chat: ChatBody) -> None:
@@ -153,6 +166,9 @@ def _conversation(messages: list[Message], settings: ServeSettings):
     texts = [p.text for p in parts if isinstance(p, TextPart)]
     media = tuple(("image", p.image_url.url) if isinstance(p, ImagePart) else ("video", p.video_url.url)
                   for p in parts if not isinstance(p, TextPart))
+    if any(kind == "video" for kind, _ in media) and len(media) > 1:
+        raise bad_request("one video per request, and nothing else beside it (a video cannot be combined with other "
+                          "media)", "messages[0].content")
     if len(media) > settings.max_media_parts:
         raise bad_request(f"{len(media)} media parts; at most {settings.max_media_parts}", "messages[0].content")
     context = None

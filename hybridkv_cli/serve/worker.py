@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hybridkv_cli.compression import MethodOptions, Policy
 from hybridkv_cli.engine import Job, Limits, decode
-from hybridkv_cli.io.errors import UsageError
+from hybridkv_cli.io.errors import HybridKVError, UsageError
 from hybridkv_cli.runs.guards import failure
 from hybridkv_cli.runs.record import make_record
 from hybridkv_cli.runs.session import Session
@@ -193,7 +193,12 @@ class Worker:
                 paths.append(os.path.join(folder, f"{i:04d}{ref.suffix}"))
                 with open(paths[-1], "wb") as f:
                     f.write(ref.data)
-            media = self.session.load_media(paths)
+            try:
+                media = self.session.load_media(paths)
+            except HybridKVError as e:  # named by what the client sent, not by the temporary files
+                for path, ref in zip(paths, refs):
+                    e.reason = e.reason.replace(path, ref.label)
+                raise
         # named by content, not by the temporary files (gone now)
         media = dataclasses.replace(media, origin=label, sources=tuple(Path(f"sha256-{r.digest}") for r in refs))
         return self.session.compress_media(media, source=label, policy=ticket.policy)
