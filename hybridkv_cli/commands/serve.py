@@ -36,7 +36,8 @@ def serve(
     max_new_tokens: int = typer.Option(128, min=1, help="Tokens a request generates when it gives no max_tokens "
                                        "(requests may ask up to the model's context)."),
     device: str = DEVICE, dtype: str = DTYPE,
-    max_batch: int = typer.Option(8, min=1, max=1024, help="Requests decoded together."),
+    max_batch: int = typer.Option(16, min=1, max=1024, help="Requests decoded together (with --kv-memory: at "
+                                  "most this many, as many as fit)."),
     kv_memory: Optional[str] = KV_MEMORY,
     queue_size: int = typer.Option(64, min=1, help="Requests waiting for the model; beyond: 503 with Retry-After."),
     allowed_media_dir: Optional[str] = typer.Option(None, metavar="DIR", help="Serve local media files (plain paths "

@@ -19,6 +19,6 @@ class ServeSettings:
     max_messages: int = 64
     max_media_parts: int = 256  # images of one image set (runs/guards.py warns beyond 256 too)
     max_stop: int = 4  # stop strings of one request (OpenAI's limit)
-    max_batch: int = 8  # requests decoded together
+    max_batch: int = 16  # requests decoded together
     queue_size: int = 64  # requests waiting for the worker; beyond: 503 with Retry-After
     prefix_cache_bytes: int = 1024 * MiB  # compressed prefixes kept (device + host bytes)
