@@ -284,26 +284,36 @@ def test_key_size_json_and_route_errors(server):
     assert re.search(r'^hybridkv_requests_total\{status="401"\} [1-9]', text, re.M)
 
 
-def test_a_client_that_leaves_is_cancelled():
-    """demo-random rarely ends an answer: a request for 3000 tokens runs until its client leaves."""
+def test_a_client_that_leaves_is_cancelled_and_a_full_queue_is_503():
+    """demo-random rarely ends an answer: a request for 3000 tokens runs until its client leaves.
+    One member at a time and one waiting: a third request finds the queue full."""
     from hybridkv_cli.runs.session import AskOptions, Session
     from hybridkv_cli.serve.settings import ServeSettings
 
     session = Session(AskOptions(model="demo-random", defer_question=True))
-    with serving(session, ServeSettings(model_id="demo-random")) as base:
+    with serving(session, ServeSettings(model_id="demo-random", max_batch=1, queue_size=1)) as base:
         body = {**_good(data_url(NEEDLE)), "model": "demo-random", "max_tokens": 3000}
-        with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
-            lines = [line for _, line in zip(range(6), r.iter_lines()) if line]
-        assert all(line.startswith("data: {") for line in lines)
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(base + "/v1/chat/completions", json=body, timeout=1.0)
+        url = base + "/v1/chat/completions"
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            stream = r.iter_lines()  # kept open: closing the iterator closes the connection
+            lines = [line for line in (next(stream) for _ in range(6)) if line]
+            assert all(line.startswith("data: {") for line in lines)
+            waiting = ThreadPoolExecutor(1).submit(httpx.post, url, json=body, timeout=3.0)  # queued behind it
+            deadline = time.monotonic() + 10
+            while httpx.get(base + "/health").json()["queued"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            full = httpx.post(url, json=body, timeout=60)
+            assert full.status_code == 503 and full.headers["retry-after"] == "1"
+            assert full.json()["error"]["code"] == "queue_full"
+        with pytest.raises(httpx.ReadTimeout):  # decoded once the stream left, until its client gave up
+            waiting.result()
         deadline = time.monotonic() + 20
         while metric(base, "hybridkv_cancelled_total", None) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert metric(base, "hybridkv_cancelled_total", None) == 2
         assert metric(base, "hybridkv_decoding_requests", None) == 0
-        assert metric(base, "hybridkv_generated_tokens_total", None) < 1000  # of the 6000 asked for
-        short = httpx.post(base + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=60).json()
+        assert metric(base, "hybridkv_generated_tokens_total", None) < 2000  # of the 6000 asked for
+        short = httpx.post(url, json={**body, "max_tokens": 4}, timeout=60).json()
         assert short["usage"]["completion_tokens"] == 4 and short["choices"][0]["finish_reason"] == "length"
 
 

@@ -89,6 +89,7 @@ def serve(
     if not quiet:
         err.print(f"serving {model} on http://{host}:{port}/v1 (max batch {max_batch}; Ctrl-C stops)",
                   highlight=False)
+    # a stop waits at most 10 s for open streams before closing them
     uvicorn.run(app, host=host, port=port, log_level="debug" if debug else "warning" if quiet else "info",
-                access_log=not quiet)
+                access_log=not quiet, timeout_graceful_shutdown=10)
     return 0
