@@ -261,6 +261,21 @@ def test_refusals_are_json_errors_and_the_server_goes_on(server, case):
     assert _post(base, _good()).json()["choices"][0]["message"]["content"] == "red"
 
 
+def test_an_unexpected_failure_is_a_500_without_its_details(server, monkeypatch, caplog):
+    base, _ = server
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret detail")
+
+    monkeypatch.setattr("hybridkv_cli.runs.session.Session.question_job", broken)
+    r = _post(base, _good())
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "secret" not in r.text and "Traceback" not in r.text
+    assert "secret detail" in caplog.text  # the server's log keeps it
+    monkeypatch.undo()
+    assert _post(base, _good()).json()["choices"][0]["message"]["content"] == "red"
+
+
 def test_key_size_json_and_route_errors(server):
     base, _ = server
     for key in ("wrong", None):

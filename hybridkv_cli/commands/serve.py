@@ -51,6 +51,7 @@ def serve(
     max_messages: int = typer.Option(64, min=1, help="Messages of one request."),
     quiet: bool = QUIET, debug: bool = DEBUG, options=None,
 ):
+    import logging
     import os
 
     from hybridkv_cli.engine import Limits
@@ -82,6 +83,9 @@ def serve(
                                  frames=frames, fps=fps, max_pixels=max_pixels, max_new_tokens=max_new_tokens,
                                  defer_question=True))  # refuses a bad method or option before the model loads
     session.model()  # loaded before the port opens: the first request does not wait for it
+    # The CLI keeps libraries' log lines off stderr; a server's log is where its requests and the
+    # tracebacks of its 500s go (uvicorn's level: --quiet warnings only, --debug everything).
+    logging.disable(logging.NOTSET)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print_warning(f"listening on {host} without --api-key: anyone who can reach it can use the model")
     metrics = Metrics()
