@@ -98,7 +98,9 @@ def server(media_dir):
     from hybridkv_cli.serve.settings import ServeSettings
 
     session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
-    expected = {(NEEDLE.name, r["question"]): r["answer"] for r in session.answer_all(Item((str(NEEDLE),)), QUESTIONS)}
+    records = session.answer_all(Item((str(NEEDLE),)), QUESTIONS)
+    expected = {(NEEDLE.name, r["question"]): r["answer"] for r in records}
+    expected["record"] = records[QUESTIONS.index("What colour is the star?")]
     expected[(SHAPES.name, SHAPES_QUESTION)] = session.answer_all(Item((str(SHAPES),)), [SHAPES_QUESTION])[0]["answer"]
     expected["images"] = session.answer_all(Item(tuple(map(str, IMAGES))), [IMAGE_QUESTION])[0]["answer"]
     expected["text"] = session.answer_all(Item(()), [TEXT_QUESTION], context=TEXT)[0]["answer"]
@@ -140,6 +142,15 @@ def test_answers_equal_the_cli_from_a_data_url_and_a_file(server, client):
             assert r.choices[0].message.content == expected[(NEEDLE.name, question)], (url[:40], question)
             assert r.choices[0].finish_reason == "stop"
             assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 512  # 512 visual tokens + the text
+    cli = expected["record"]  # the record of `hybridkv ask needle.mp4 -Q "What colour is the star?"`
+    info = client.chat.completions.create(model="demo", messages=video_message(
+        data_url(NEEDLE), "What colour is the star?")).model_extra["hybridkv"]
+    for field in ("visual_tokens", "text_tokens", "frames_used", "frame_size"):
+        assert info["input"][field] == cli["input"][field], field
+    assert (info["method"], info["budget"], info["decode"]["tokens"]) == (cli["method"], cli["budget"],
+                                                                         cli["decode"]["tokens"])
+    for field in ("device_bytes", "device_bytes_after_prefill", "host_bytes", "full_bytes"):
+        assert info["kv"][field] == cli["kv"][field], field  # the same compressed cache, byte for byte
     text, _, chunks = stream_answer(client, video_message(data_url(NEEDLE), "What colour is the star?"),
                                     stream_options={"include_usage": True})
     assert text == "red"

@@ -133,7 +133,12 @@ class Worker:
                 for outcome in decode(model, self._source(), max_new_tokens=self.session.options.max_new_tokens,
                                       limits=self.limits, watch=self._watch):
                     self.active -= 1
-                    self._finish(outcome)
+                    try:
+                        self._finish(outcome)
+                    except Exception:  # this answer's record or text failed: its request alone gets a 500
+                        log.exception("answering a request failed")
+                        self.inflight.discard(outcome.job.tag)
+                        outcome.job.tag.send("error", from_error(RuntimeError()))
             except Exception:  # a bug in the loop: fail what was in flight and go on serving
                 log.exception("the decode loop failed; its requests get a 500")
                 for ticket in self.inflight:
@@ -237,7 +242,8 @@ class Worker:
             return
         job, run = outcome.job, outcome.generation
         prefix = job.prefix
-        record = make_record(self.session.model(), {**prefix.info, "text_tokens": len(job.suffix)},
+        text_tokens = prefix.seen - int(prefix.visual.sum()) + len(job.suffix)  # as ask -Q counts them
+        record = make_record(self.session.model(), {**prefix.info, "text_tokens": text_tokens},
                              ticket.chat.question, prefix.policy, run, True, outcome.batch)
         delta = ticket.text.finish(run.tokens)
         limit = job.max_new_tokens or self.session.options.max_new_tokens
