@@ -250,6 +250,7 @@ REFUSALS = {
     "unknown field": (lambda: _good(logit_bias_typo=1), 400, "unknown_parameter"),
     "10k messages": (lambda: {"model": "demo", "messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, None),
     "max_tokens over the context": (lambda: _good(max_tokens=40_000), 400, "context_length_exceeded"),
+    "max_tokens beside the prompt": (lambda: _good(max_tokens=32_700), 400, "context_length_exceeded"),
     "sampling": (lambda: _good(temperature=0.8), 400, "unsupported_value"),
     "bad budget": (lambda: _good(hybridkv={"method": "snapkv", "budget": 1.5}), 400, None),
     "unknown method": (lambda: _good(hybridkv={"method": "os.system"}), 400, None),

@@ -36,7 +36,7 @@ DATA_TYPES = {
     "video/webm": ".webm",
 }
 _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
-                       re.ASCII)
+                       re.ASCII | re.IGNORECASE)
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,13 @@ class Worker:
             raise bad_request(e.reason, f"hybridkv.{field_name}" if field_name else "hybridkv") from None
 
     def ticket(self, chat: Chat, refs: list[MediaRef], loop) -> Ticket:
-        """A request made ready for the queue: its policy and its prefix's key."""
+        """A request made ready for the queue: its policy and its prefix's key. A ``max_tokens``
+        that alone fills the model's context is refused here, before its media is decoded (one
+        that does not fit beside the prompt is refused when the prompt's length is known)."""
+        limit = self.session.model().context_limit
+        if chat.max_tokens and limit and chat.max_tokens >= limit:
+            raise bad_request(f"max_tokens {chat.max_tokens} does not fit the model's context of {limit} tokens",
+                              "max_tokens", "context_length_exceeded")
         policy = self.policy(chat.method, chat.budget)
         o = self.session.options
         options = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
