@@ -396,7 +396,7 @@ def test_the_command_starts_fast_and_answers(tmp_path):
             except httpx.TransportError:
                 time.sleep(0.1)
         ready = time.perf_counter() - started
-        assert ready < 10, ready
+        assert ready < 20, ready  # 5-7 s alone (docs/serve.md); room for a suite running beside it
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=_good(data_url(NEEDLE)), timeout=60)
         assert r.json()["choices"][0]["message"]["content"] == "red"
     finally:
