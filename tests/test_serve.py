@@ -177,13 +177,17 @@ def test_second_question_about_a_video_is_a_prefix_cache_hit_and_skips_prefill(s
     base, expected = server
     url = data_url(SHAPES)
     misses, hits = metric(base, "hybridkv_prefix_cache_misses_total"), metric(base, "hybridkv_prefix_cache_hits_total")
-    first_text, first_ttft, first = stream_answer(client, video_message(url, SHAPES_QUESTION))
+    include = {"stream_options": {"include_usage": True}}
+    first_text, first_ttft, first = stream_answer(client, video_message(url, SHAPES_QUESTION), **include)
     assert metric(base, "hybridkv_prefix_cache_misses_total") == misses + 1
-    second_text, second_ttft, second = stream_answer(client, video_message(url, SHAPES_QUESTION))
+    second_text, second_ttft, second = stream_answer(client, video_message(url, SHAPES_QUESTION), **include)
     assert metric(base, "hybridkv_prefix_cache_hits_total") == hits + 1
     assert first_text == second_text == expected[(SHAPES.name, SHAPES_QUESTION)]
     info = [c.model_extra["hybridkv"] for c in first + second if c.model_extra.get("hybridkv")]
     assert [i["prefix_cache_hit"] for i in info] == [False, True]
+    usage = [c.usage for c in first + second if c.usage is not None]
+    cached = [u.prompt_tokens_details.cached_tokens for u in usage]  # the media and the template before it
+    assert cached[0] == 0 and info[1]["input"]["visual_tokens"] < cached[1] < usage[1].prompt_tokens
     assert info[0]["prefix_prefill_s"] > 0 and info[1]["prefix_prefill_s"] is None
     # the miss decodes the video, runs the vision encoder and prefills; a hit reads the question only
     # (about 4x faster here; the best of two hits, so one slow moment of a busy machine does not decide)

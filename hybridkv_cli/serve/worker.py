@@ -265,4 +265,8 @@ class Worker:
         info["prefix_prefill_s"] = None if ticket.cache_hit else prefix.prefill_s
         ticket.send("done", {"text": ticket.text.sent, "delta": delta, "finish_reason": reason,
                              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(run.tokens),
-                                       "total_tokens": prompt_tokens + len(run.tokens)}, "hybridkv": info})
+                                       "total_tokens": prompt_tokens + len(run.tokens),
+                                       # OpenAI's field for a prompt prefix served from a cache
+                                       "prompt_tokens_details": {"cached_tokens": prefix.seen if ticket.cache_hit
+                                                                 else 0}},
+                             "hybridkv": info})
