@@ -351,6 +351,34 @@ def test_a_client_that_leaves_is_cancelled_and_a_full_queue_is_503():
 
 
 # --- pieces --------------------------------------------------------------------------------------
+def test_the_engine_takes_a_live_source_stops_members_and_keeps_each_jobs_limit():
+    """What the worker relies on: ``decode`` over a source that sometimes has nothing waiting
+    (None), a ``watch`` that stops a member after a step, and a job's own ``max_new_tokens``; the
+    others' tokens stay those of their runs alone."""
+    from hybridkv_cli.engine import Limits, decode
+    from hybridkv_cli.runs.inputs import Item
+    from hybridkv_cli.runs.session import AskOptions, Session
+
+    session = Session(AskOptions(model="demo-random", defer_question=True, max_new_tokens=8))
+    prefix = session.compress(Item((str(NEEDLE),)))
+    model = lambda: session.model().model
+    questions = ["What colour is the star?", "Which shape appears first?"]
+    alone = [next(iter(decode(model, [(0, lambda q=q: session.question_job(prefix, q, 0))], max_new_tokens=8)))
+             .generation.tokens for q in questions]
+    assert all(len(tokens) > 3 for tokens in alone)
+
+    def source():
+        yield 0, lambda: session.question_job(prefix, questions[0], 0)
+        yield None  # nothing waiting: the member decodes a step, and the source is asked again
+        yield None
+        yield 1, lambda: session.question_job(prefix, questions[1], 1, max_new_tokens=3)
+
+    stopped = lambda members: [m for m in members if m.job.tag == 0 and len(m.tokens) >= 2]
+    got = {o.job.tag: o.generation.tokens for o in decode(model, source(), max_new_tokens=8,
+                                                         limits=Limits(batch_size=4), watch=stopped)}
+    assert got == {0: alone[0][:2], 1: alone[1][:3]}
+
+
 def test_answer_text_streams_a_prefix_of_the_final_text_and_cuts_at_stop():
     from hybridkv_cli.serve.answer_text import AnswerText
 

@@ -29,7 +29,7 @@ def serve(
     model: str = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help="Hub id, local directory, 'demo', 'smollm2', ... "
                               "(as for ask); clients name it as \"model\"."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (another than localhost: give --api-key)."),
-    port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on."),
+    port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
     method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`); a request may choose "
                                "another."),
     frames: int = FRAMES, fps: Optional[float] = FPS, max_pixels: Optional[int] = MAX_PIXELS,
