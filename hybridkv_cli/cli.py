@@ -13,6 +13,7 @@ from hybridkv_cli.commands.ask import ask
 from hybridkv_cli.commands.bench import bench
 from hybridkv_cli.commands.calibrate import calibrate
 from hybridkv_cli.commands.compress import compress
+from hybridkv_cli.commands.model_step import model_step
 from hybridkv_cli.commands.options import ASK_HELP, BENCH_HELP, COMPRESS_HELP
 from hybridkv_cli.commands.profile import profile
 from hybridkv_cli.commands.route import route
@@ -45,6 +46,7 @@ app.command(help=BENCH_HELP)(_stoppable(bench))
 app.command(help=COMPRESS_HELP)(_stoppable(compress))
 app.command()(_stoppable(route))
 app.command()(_stoppable(calibrate))
+app.command(name="model-step")(model_step)
 app.command(help=SERVE_HELP)(_stoppable(serve))
 
 
