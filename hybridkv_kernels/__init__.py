@@ -12,6 +12,7 @@ Public ops (each takes ``backend="auto" | "torch" | "triton"``, see :mod:`.dispa
   token-major in (pinned) host memory (:func:`pack_keys_by_token`) and read there in place.
 - :func:`chunk_gather` -- load missing chunks from the host store into device slots.
 - :func:`chunk_retrieve` -- both, for the dynamic heads of several sequences in one pass.
+- :func:`cap_scores` -- at most ``limit`` new chunks a head a step (the scores a capped top-k ranks).
 - :func:`refresh_want` -- the refresh of pruned heads on the device (drift, trigger, re-selection).
 - :func:`window_scores` -- causal window attention + max-pooled scores (prefill; torch only).
 
@@ -36,6 +37,7 @@ from .dispatch import BACKENDS, HAS_TRITON, cuda_path, emulating_cuda, resolve_b
 from .quant_keys import pack_keys, quant_key_scores_torch, quant_key_topk, unpack_codes
 from .refresh_step import RefreshState, refresh_want
 from .segments import RaggedKV, SegmentTable, segment_table
+from .swap_cap import cap_scores
 from .window_scores import window_scores, window_scores_torch
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "chunk_gather",
     "chunk_gather_torch",
     "chunk_gather_triton",
+    "cap_scores",
     "chunk_retrieve",
     "chunk_scores_torch",
     "chunk_topk",

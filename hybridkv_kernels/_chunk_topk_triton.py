@@ -120,12 +120,15 @@ def topk_select_kernel(
     if TABLE:
         C = tl.load(TAB + h * 12 + 2).to(tl.int32)
         K = tl.load(TAB + h * 12 + 3).to(tl.int32)
-    base = SCORES + h * stride_sh
-    offs = tl.arange(0, BLOCK)
+    _select(SCORES + h * stride_sh, OUT + h * stride_oh, C, K, BLOCK)
 
+
+@triton.jit
+def _select(base, out, C, K, BLOCK: tl.constexpr):
+    """out[:K] = ids of the K largest base[:C], ascending (ties: lowest id)."""
+    offs = tl.arange(0, BLOCK)
     # radix select of the threshold T = the K-th largest key: 4 passes over the scores
     lo, need = _radix_threshold(base, C, K, BLOCK)
-
     # compaction in id order: the output is sorted ascending for free
     n_out = tl.full([], 0, tl.int32)
     n_eq = tl.full([], 0, tl.int32)
@@ -137,6 +140,66 @@ def topk_select_kernel(
         eq_rank = tl.cumsum(eq, 0) + n_eq  # 1-based rank among the ties seen so far
         sel = (((key > lo) & mask) | ((eq > 0) & (eq_rank <= need))).to(tl.int32)
         dest = n_out + tl.cumsum(sel, 0) - 1
-        tl.store(OUT + h * stride_oh + dest, ids.to(tl.int64), mask=sel > 0)
+        tl.store(out + dest, ids.to(tl.int64), mask=sel > 0)
         n_out += tl.sum(sel, 0)
         n_eq += tl.sum(eq, 0)
+
+
+@triton.jit
+def capped_topk_kernel(
+    SCORES, RES, SAVE, OUT, TAB, C, K, LIMIT, BONUS,
+    stride_sh, stride_rh, stride_vh, stride_oh,
+    BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, TABLE: tl.constexpr = False,
+):
+    """``topk_select_kernel`` over scores where the row's held ids RES[h, :K] gain BONUS, with at
+    most LIMIT ids outside them (``swap_cap.py``; a row with an empty slot, -1, is not capped),
+    in one program per row. SCORES is scratch: for the cap the held scores are parked in SAVE
+    while they stand at +inf (the K + LIMIT best are then every held id and the LIMIT best
+    others), the others below that are set to -inf, the parked scores come back raised by
+    BONUS, and the plain selection of K runs over what is left."""
+    h = tl.program_id(0)
+    res = RES + h * stride_rh
+    if TABLE:
+        C = tl.load(TAB + h * 12 + 2).to(tl.int32)
+        K = tl.load(TAB + h * 12 + 3).to(tl.int32)
+        res = tl.load(TAB + h * 12 + 4).to(tl.pointer_type(tl.int64))
+    base = SCORES + h * stride_sh
+    save = SAVE + h * stride_vh
+    offs = tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK_N)
+    empty = tl.full([], 0, tl.int32)
+    for j0 in range(0, K, BLOCK_N):
+        m = (j0 + offs_n) < K
+        ids = tl.load(res + j0 + offs_n, mask=m, other=0)
+        empty += tl.sum((m & (ids < 0)).to(tl.int32), 0)
+    if (LIMIT > 0) & (empty == 0) & (K + LIMIT < C):
+        for j0 in range(0, K, BLOCK_N):
+            m = (j0 + offs_n) < K
+            ids = tl.load(res + j0 + offs_n, mask=m, other=0)
+            tl.store(save + j0 + offs_n, tl.load(base + ids, mask=m, other=0.0), mask=m)
+            tl.store(base + ids, tl.full([BLOCK_N], float("inf"), tl.float32), mask=m)
+        tl.debug_barrier()
+        lo, need = _radix_threshold(base, C, K + LIMIT, BLOCK)
+        n_eq = tl.full([], 0, tl.int32)
+        for c0 in range(0, C, BLOCK):
+            ids = c0 + offs
+            mask = ids < C
+            key = _order_key(tl.load(base + ids, mask=mask, other=0.0))
+            eq = ((key == lo) & mask).to(tl.int32)
+            eq_rank = tl.cumsum(eq, 0) + n_eq
+            keep = (key > lo) | ((eq > 0) & (eq_rank <= need))
+            tl.store(base + ids, tl.full([BLOCK], float("-inf"), tl.float32), mask=mask & ~keep)
+            n_eq += tl.sum(eq, 0)
+        tl.debug_barrier()
+        for j0 in range(0, K, BLOCK_N):
+            m = (j0 + offs_n) < K
+            ids = tl.load(res + j0 + offs_n, mask=m, other=0)
+            tl.store(base + ids, tl.load(save + j0 + offs_n, mask=m, other=0.0) + BONUS, mask=m)
+    else:
+        for j0 in range(0, K, BLOCK_N):
+            m = (j0 + offs_n) < K
+            ids = tl.load(res + j0 + offs_n, mask=m, other=-1)
+            held = m & (ids >= 0)
+            tl.store(base + ids, tl.load(base + ids, mask=held, other=0.0) + BONUS, mask=held)
+    tl.debug_barrier()
+    _select(base, OUT + h * stride_oh, C, K, BLOCK)

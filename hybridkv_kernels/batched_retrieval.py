@@ -92,7 +92,7 @@ def retrieval_table(parts: list[RetrievalPart]) -> RetrievalTable:
 
 
 def chunk_retrieve(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: str = "auto",
-                   table: RetrievalTable | None = None) -> None:
+                   table: RetrievalTable | None = None, swaps: int = 0, stickiness: float = 0.0) -> None:
     """Load every part's wanted chunks for its query (``queries[i]``: [H_i, G, d], part i's heads).
 
     ``backend`` resolves as every op's does (:mod:`.dispatch`); the result is the parts' slots,
@@ -100,6 +100,8 @@ def chunk_retrieve(queries: list[torch.Tensor], parts: list[RetrievalPart], back
     With Triton the parts go through the ``TABLE``-mode kernels (four launches for all of them),
     ``table`` (:func:`retrieval_table`) built earlier or now; a single part without a table takes
     the single-sequence kernels. The torch path takes the parts of one :func:`_geometry` together.
+    With 2-bit keys, ``stickiness`` (logits a held chunk gains) and ``swaps`` (most new chunks a
+    head a step, 0: no cap) make a step's selection change less (:mod:`.swap_cap`).
     """
     if not parts:
         return
@@ -109,12 +111,12 @@ def chunk_retrieve(queries: list[torch.Tensor], parts: list[RetrievalPart], back
         for i, p in enumerate(parts):
             groups.setdefault(_geometry(p), []).append(i)
         for index in groups.values():
-            _together([queries[i] for i in index], [parts[i] for i in index])
+            _together([queries[i] for i in index], [parts[i] for i in index], "torch", swaps, stickiness)
         return
     if len(parts) == 1 and table is None:
-        _together(queries, parts, resolved)
+        _together(queries, parts, resolved, swaps, stickiness)
         return
-    _launch(torch.cat(queries), parts[0], table or retrieval_table(parts))
+    _launch(torch.cat(queries), parts[0], table or retrieval_table(parts), swaps, stickiness)
 
 
 def _two_bit(part: RetrievalPart) -> bool:
@@ -132,14 +134,17 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-def _together(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: str = "torch") -> None:
+def _together(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: str = "torch", swaps: int = 0,
+              stickiness: float = 0.0) -> None:
     """``parts`` of one geometry: the top chunks and the plan of all their heads at once (one op
     each), then each part's copies; a single part takes ``backend``'s own gather."""
     first = parts[0]
     q, landmarks, scale = _cat(queries), _cat([p.landmarks for p in parts]), _cat([p.landmark_scale for p in parts])
     chunks, chunk, n = first.host_k.shape[1], first.host_k.shape[2], first.resident.shape[1]
     if _two_bit(first):
-        want = quant_key_topk(q, landmarks, scale, chunk, n, backend)
+        resident = _cat([p.resident for p in parts]) if swaps or stickiness else None
+        want = quant_key_topk(q, landmarks, scale, chunk, n, backend, resident=resident, swaps=swaps,
+                              stickiness=stickiness)
     else:
         want = chunk_topk(q, landmarks, n, landmark_scale=scale, backend=backend)
     if len(parts) == 1:
@@ -149,7 +154,8 @@ def _together(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: 
     copy_assigned([GatherTarget(*p[2:]) for p in parts], gather_plan(_cat([p.resident for p in parts]), want, chunks))
 
 
-def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable) -> None:
+def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable, swaps: int = 0, stickiness: float = 0.0
+            ) -> None:
     """The four ``TABLE``-mode launches (``first``: any part, for the kernels' element types)."""
     dev = q.device
     mod_top, mod_gat = load_triton_module("_chunk_topk_triton"), load_triton_module("_chunk_gather_triton")
@@ -170,7 +176,10 @@ def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable) -> None:
             HAS_SCALE=True, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_C=block_c, BLOCK_D=block_d, TABLE=True,
             num_warps=4,
         )
-    launch_topk(scores, n_max, out=want, table=table)
+    if _two_bit(first):  # the held chunks' bonus (logits -> raw q·k) and the cap, in the selection's launch
+        launch_topk(scores, n_max, out=want, table=table, limit=swaps, bonus=stickiness * d ** 0.5)
+    else:
+        launch_topk(scores, n_max, out=want, table=table)
     mod_gat.gather_plan_kernel[(rows,)](
         first.resident, want, assign, first.moved, table, n_max, d * 2 * first.host_k.element_size(),
         0, want.stride(0), assign.stride(0),

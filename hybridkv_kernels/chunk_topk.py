@@ -60,10 +60,15 @@ def _topk_ids_from_scores(scores: torch.Tensor, k: int) -> torch.Tensor:
     kk = min(int(k), C)
     if kk <= 0:
         return torch.empty(H, 0, dtype=torch.int64, device=scores.device)
+    return order_keys(scores).topk(kk, dim=1, sorted=False).indices.sort(dim=1).values
+
+
+def order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """A distinct int64 per score [H, C] that orders as (score, lower id first)."""
+    C = scores.shape[1]
     bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 -> +0.0, equal scores tie
     keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long().mul_(C)  # negative floats: order reversed
-    keys += torch.arange(C - 1, -1, -1, device=scores.device)
-    return keys.topk(kk, dim=1, sorted=False).indices.sort(dim=1).values
+    return keys.add_(torch.arange(C - 1, -1, -1, device=scores.device))
 
 
 def chunk_topk_torch(q, landmarks, k, landmark_scale=None):
@@ -125,7 +130,7 @@ def _select_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def launch_topk(scores, k, *, out=None, table=None, block=None):
+def launch_topk(scores, k, *, out=None, table=None, block=None, resident=None, limit=0, bonus=0.0):
     """The Triton selection: ids of the ``min(k, C)`` largest ``scores`` [rows, C] per row,
     ascending (ties: lowest id), written to ``out`` [rows, >= min(k, C)] int64 (new if None).
 
@@ -142,6 +147,10 @@ def launch_topk(scores, k, *, out=None, table=None, block=None):
     block : int, optional
         Scores a loop step (a power of two, at least 256; default min(8192, next_pow2(C))); tests
         use small ones to cover several blocks.
+    resident, limit, bonus
+        Each row's held ids [rows, k] (``TABLE`` mode: the table's resident rows), ranked
+        ``bonus`` above their scores, with at most ``limit`` ids outside them (0: no cap;
+        :mod:`.swap_cap`), in the same one launch; ``scores`` is then overwritten (scratch).
     """
     rows, C = scores.shape
     kk = min(int(k), C)
@@ -151,6 +160,17 @@ def launch_topk(scores, k, *, out=None, table=None, block=None):
         return out
     mod = load_triton_module("_chunk_topk_triton")
     block_s = max(256, next_power_of_2(block or min(8192, C)))  # >= the histogram's 256 buckets
+    if limit > 0 or bonus:
+        n = k if resident is None else resident.shape[1]
+        save = torch.empty(rows, n, dtype=torch.float32, device=scores.device)
+        res = scores if resident is None else resident  # TABLE mode: the table's
+        mod.capped_topk_kernel[(rows,)](
+            scores, res, save, out, out if table is None else table, C, kk, int(limit), float(bonus),
+            scores.stride(0), res.stride(0), save.stride(0), out.stride(0),
+            BLOCK=block_s, BLOCK_N=min(1024, next_power_of_2(max(n, 16))), TABLE=table is not None,
+            num_warps=_select_warps(block_s),
+        )
+        return out
     mod.topk_select_kernel[(rows,)](
         scores, out, out if table is None else table, C, kk, scores.stride(0), out.stride(0),
         BLOCK=block_s, TABLE=table is not None, num_warps=_select_warps(block_s),

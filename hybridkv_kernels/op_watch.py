@@ -70,7 +70,7 @@ SYNC_SUFFIXES = ("(bool mask)", "(device->host)", "(pageable->device)", "(host d
 #: Kernel modules and their launchable kernels.
 KERNELS = {
     "_decode_attention_triton": ("ragged_decode_stage1_kernel", "merge_splits_kernel"),
-    "_chunk_topk_triton": ("chunk_scores_kernel", "topk_select_kernel"),
+    "_chunk_topk_triton": ("chunk_scores_kernel", "topk_select_kernel", "capped_topk_kernel"),
     "_chunk_gather_triton": ("gather_plan_kernel", "chunk_gather_kernel"),
     "_quant_keys_triton": ("quant_key_scores_kernel",),
     "_candidate_keys_triton": ("candidate_scores_kernel",),

@@ -17,6 +17,7 @@ import torch
 
 from .chunk_topk import _topk_ids_from_scores, launch_topk
 from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
+from .swap_cap import cap_scores
 
 __all__ = ["pack_keys", "quant_key_scores_torch", "quant_key_topk", "unpack_codes"]
 
@@ -114,7 +115,8 @@ def launch_scores(q, codes, bounds, chunk: int, *, table=None, tokens: int | Non
     return scores
 
 
-def quant_key_topk(q, codes, bounds, chunk: int, k: int, backend: str = "auto") -> torch.Tensor:
+def quant_key_topk(q, codes, bounds, chunk: int, k: int, backend: str = "auto", *, resident=None,
+                   swaps: int = 0, stickiness: float = 0.0) -> torch.Tensor:
     """Top-``k`` chunks per head by their best 2-bit-key logit.
 
     Parameters
@@ -129,12 +131,22 @@ def quant_key_topk(q, codes, bounds, chunk: int, k: int, backend: str = "auto") 
     k : int
         Chunks wanted per head; ``min(k, C)`` are returned.
     backend : {"auto", "torch", "triton"}
+    resident, swaps, stickiness
+        The chunks each head holds [H, n] (-1: empty), for a selection that changes less
+        (:mod:`~hybridkv_kernels.swap_cap`): a held chunk ranks ``stickiness`` logits (at the
+        ``1/sqrt(d)`` scale) above its score, and with ``swaps`` > 0 at most ``swaps`` of the
+        returned chunks are not held.
 
     Returns
     -------
     Tensor [H, min(k, C)] int64
         Chunk ids, ascending per head; ties: lowest id wins (as :func:`chunk_topk`).
     """
-    if resolve_backend(backend, q, codes) == "triton":
-        return launch_topk(launch_scores(q, codes, bounds, chunk), k)
-    return _topk_ids_from_scores(quant_key_scores_torch(q, codes, bounds, chunk), k)
+    bonus = stickiness * q.shape[-1] ** 0.5 if resident is not None else 0.0  # logits -> raw q·k
+    limit = swaps if resident is not None else 0
+    if resolve_backend(backend, q, codes) == "triton":  # held chunks' bonus and the cap in the selection's launch
+        return launch_topk(launch_scores(q, codes, bounds, chunk), k, resident=resident, limit=limit, bonus=bonus)
+    scores = quant_key_scores_torch(q, codes, bounds, chunk)
+    if resident is not None:
+        scores = cap_scores(scores, resident, limit, bonus)
+    return _topk_ids_from_scores(scores, k)

@@ -4,7 +4,8 @@ kernel launches (``torch.profiler``), single run and batch, with both head kinds
 A Llama with Qwen2.5-VL-7B's attention geometry (4 KV heads x 7 queries, head dim 128; two
 layers, a narrow MLP, random weights) speaking the demo tokenizer; HybridKV at b = 0.1 twice:
 with 2-bit keys on the device and its KV heads forced half static, half dynamic (rate-controlled
-refresh), and as the default takes it in bf16 (the keys in host memory, every head dynamic). Each
+refresh), as the default takes it in bf16 (the keys on the device, every head dynamic, a sticky
+selection), and at b = 0.05 (the keys in host memory, read through UVA). Each
 layer-step (the new token's append and the layer's attention with retrieval and refresh) runs
 under the sync debug mode, which raises on any sync; a sample of layer-steps is profiled and
 its CUDA kernels counted (memcpy/memset included). Writes ``<what>.json`` into ``--out``.
@@ -161,10 +162,11 @@ def main() -> None:
     model, tokenizer = model_and_tokenizer(args.device)
     force_mix()
     check = check_syncs if args.what == "sync" else count_launches
-    # Both head kinds with the keys on the device; and the default at b = 0.1 in bf16: the keys
-    # in host memory, every head dynamic (read through UVA).
+    # Both head kinds with the keys on the device; the default at b = 0.1 in bf16 (the keys on the
+    # device, every head dynamic, sticky); and at b = 0.05, the keys in host memory (UVA).
     policies = {"keys, static and dynamic heads": make_policy("hybridkv", budget=0.1, landmark="keys"),
-                "auto": make_policy("hybridkv", budget=0.1)}
+                "auto": make_policy("hybridkv", budget=0.1),
+                "auto at b = 0.05 (host keys)": make_policy("hybridkv", budget=0.05)}
     result = {name: check(model, tokenizer, policy) for name, policy in policies.items()}
     (args.out / f"{args.what}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result)[:2000])

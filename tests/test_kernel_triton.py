@@ -399,8 +399,26 @@ def test_chunk_retrieve_is_each_part_alone(dtype):
             assert torch.equal(a.store_k, b.store_k) and torch.equal(a.store_v, b.store_v)
 
 
-@pytest.mark.parametrize("chunk", [1, 4])
-def test_chunk_retrieve_with_two_bit_keys_is_each_part_alone(chunk):
+@pytest.mark.parametrize("limit,block,bonus", [(1, 256, 0.0), (5, 256, 0.75), (40, 1024, 0.0), (0, 256, 1.25)])
+def test_the_capped_selection_is_its_torch_reference(limit, block, bonus):
+    """The cap inside the selection's launch (residents parked at +inf, the others past the
+    ``limit``-th set to -inf, one selection) chooses what ``cap_scores`` + top-k choose, ties
+    (rounded scores) and rows of several blocks included; a row with an empty slot is not capped."""
+    from hybridkv_kernels.chunk_topk import _topk_ids_from_scores, launch_topk
+
+    g = torch.Generator().manual_seed(limit)
+    rows, chunks, k = 4, 700, 24
+    scores = (torch.randn(rows, chunks, generator=g) * 4).round() / 4  # many ties
+    resident = torch.stack([torch.randperm(chunks, generator=g)[:k] for _ in range(rows)])
+    resident[3, 5] = -1
+    expected = _topk_ids_from_scores(hk.cap_scores(scores, resident, limit, bonus), k)
+    assert limit >= k or not torch.equal(expected, _topk_ids_from_scores(scores, k))  # the cap or bonus binds
+    got = launch_topk(scores.clone().to(DEV), k, resident=resident.to(DEV), limit=limit, block=block, bonus=bonus)
+    assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("chunk,swaps,stickiness", [(1, 0, 0.0), (4, 0, 0.0), (1, 3, 0.5), (1, 0, 1.0)])
+def test_chunk_retrieve_with_two_bit_keys_is_each_part_alone(chunk, swaps, stickiness):
     """Parts ranked by 2-bit keys (different head, token and slot counts), in one pass: the slots,
     resident ids and byte counts of quant_key_topk + chunk_gather part by part."""
     d, G = 16, 3
@@ -411,9 +429,11 @@ def test_chunk_retrieve_with_two_bit_keys_is_each_part_alone(chunk):
     q = torch.randn(6, G, d).to(DEV)
     for step in range(2):
         table = hk.retrieval_table(parts)
-        hk.chunk_retrieve(list(torch.split(q * (step + 1), [2, 1, 3])), parts, backend="triton", table=table)
+        hk.chunk_retrieve(list(torch.split(q * (step + 1), [2, 1, 3])), parts, backend="triton", table=table,
+                          swaps=swaps, stickiness=stickiness)
         for p, rows in zip(alone, torch.split(q * (step + 1), [2, 1, 3])):
-            want = hk.quant_key_topk(rows, p.landmarks, p.landmark_scale, chunk, p.resident.shape[1], "triton")
+            want = hk.quant_key_topk(rows, p.landmarks, p.landmark_scale, chunk, p.resident.shape[1], "triton",
+                                     resident=p.resident, swaps=swaps, stickiness=stickiness)
             p.moved.add_(hk.chunk_gather_triton(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident,
                                                 want))
         for a, b in zip(parts, alone):

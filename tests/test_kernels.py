@@ -287,8 +287,8 @@ def _part(heads, chunks, chunk, slots, d, seed, two_bit):
                             torch.arange(heads) * (slots * chunk + 3) + 2, resident, torch.zeros((), dtype=torch.long))
 
 
-@pytest.mark.parametrize("two_bit", [False, True])
-def test_chunk_retrieve_torch_is_each_part_alone(two_bit):
+@pytest.mark.parametrize("two_bit,swaps,stickiness", [(False, 0, 0.0), (True, 0, 0.0), (True, 2, 0.0), (True, 0, 1.0)])
+def test_chunk_retrieve_torch_is_each_part_alone(two_bit, swaps, stickiness):
     """The torch path ranks and plans parts of one geometry together (here two of three, with
     different head counts): exactly the slots, resident ids and byte counts of each part alone."""
     d, G = 16, 3
@@ -296,15 +296,45 @@ def test_chunk_retrieve_torch_is_each_part_alone(two_bit):
     alone = [hk.RetrievalPart(*[t.clone() for t in p]) for p in parts]
     q = torch.randn(6, G, d)
     for step in range(2):  # the second step keeps the hits of the first
-        hk.chunk_retrieve(list(torch.split(q * (step + 1), [2, 1, 3])), parts, backend="torch")
+        hk.chunk_retrieve(list(torch.split(q * (step + 1), [2, 1, 3])), parts, backend="torch", swaps=swaps,
+                          stickiness=stickiness)
         for p, rows in zip(alone, torch.split(q * (step + 1), [2, 1, 3])):
             n, chunk = p.resident.shape[1], p.host_k.shape[2]
-            want = (hk.quant_key_topk(rows, p.landmarks, p.landmark_scale, chunk, n, "torch") if two_bit
+            want = (hk.quant_key_topk(rows, p.landmarks, p.landmark_scale, chunk, n, "torch", resident=p.resident,
+                                      swaps=swaps, stickiness=stickiness) if two_bit
                     else hk.chunk_topk(rows, p.landmarks, n, landmark_scale=p.landmark_scale, backend="torch"))
             hk.chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want, "torch", p.moved)
         for a, b in zip(parts, alone):
             assert torch.equal(a.resident, b.resident) and int(a.moved) == int(b.moved) > 0
             assert torch.equal(a.store_k, b.store_k) and torch.equal(a.store_v, b.store_v)
+
+
+@pytest.mark.parametrize("limit", [1, 3, 7])
+def test_a_capped_selection_is_the_best_of_the_held_and_the_limit_best_others(limit):
+    """``cap_scores`` + top-k: the top ``n`` of the held chunks and the ``limit`` best others (so at
+    most ``limit`` new), checked against a brute-force choice; a row with an empty slot is not capped."""
+    g = torch.Generator().manual_seed(limit)
+    rows, chunks, n = 5, 40, 8
+    scores = torch.randn(rows, chunks, generator=g)
+    resident = torch.stack([torch.randperm(chunks, generator=g)[:n] for _ in range(rows)])
+    resident[4, 3] = -1
+    want = hk.quant_keys._topk_ids_from_scores(hk.cap_scores(scores, resident, limit), n)
+    for r in range(rows):
+        held = set(resident[r].tolist()) - {-1}
+        others = sorted(set(range(chunks)) - held, key=lambda c: -scores[r, c])
+        pool = list(held) + (others if r == 4 else others[:limit])
+        expected = sorted(sorted(pool, key=lambda c: -scores[r, c])[:n])
+        assert want[r].tolist() == expected
+        assert r == 4 or len(set(expected) - held) <= limit
+
+
+def test_stickiness_lets_a_newcomer_in_only_when_it_beats_a_held_chunk_by_the_margin():
+    scores = torch.tensor([[5.0, 4.0, 3.0, 2.9, 1.0]])
+    resident = torch.tensor([[0, 3]])  # holds 5.0 and 2.9
+    pick = lambda bonus: hk.quant_keys._topk_ids_from_scores(hk.cap_scores(scores, resident, 0, bonus), 2).tolist()
+    assert pick(0.0) == [[0, 1]]  # 4.0 displaces 2.9
+    assert pick(0.5) == [[0, 1]]  # 4.0 > 2.9 + 0.5
+    assert pick(1.5) == [[0, 3]]  # 4.0 < 2.9 + 1.5: the held chunk stays
 
 
 # --------------------------------------------------------------------------- window scores

@@ -123,7 +123,8 @@ def test_auto_keeps_the_keys_on_the_device_while_they_cost_at_most_half_the_budg
     prefill = layer(n=1200, dtype=dtype)
     policy = make_policy("hybridkv", budget=budget, theta=1.0)
     compressed = policy.compress(prefill)
-    assert policy.summary([compressed.report])["landmark"] == expected
+    summary = policy.summary([compressed.report])
+    assert summary["landmark"] == expected and summary["landmark_reason"]
     if budget < 1:
         marks = compressed.kv.dynamic.landmarks
         assert type(marks) is {"keys": QuantKeys, "host-keys": HostKeys}[expected]
@@ -137,11 +138,12 @@ def test_with_the_keys_on_the_host_the_window_takes_at_most_a_quarter_of_a_head(
     assert record.landmark == "host-keys" and record.window <= record.plan.entries.max() // 4 < 16
 
 
-@pytest.mark.parametrize("landmark,dynamic", [("auto", 2), ("keys", 0), ("host-keys", 0)])
-def test_auto_makes_every_head_dynamic_where_it_keeps_the_keys_on_the_host(landmark, dynamic):
-    """θ = 0 would make every head static; ``auto`` at a tight budget overrides it (a one-shot
-    twentieth of the prompt loses what a step needs), an explicit landmark does not."""
+@pytest.mark.parametrize("landmark", ["auto", "host-keys", "labels"])  # keys alone overrun b = 0.05
+@pytest.mark.parametrize("budget,dynamic", [(0.05, 2), (0.5, 0)])
+def test_one_rule_makes_every_head_dynamic_where_the_keys_would_cost_over_half_the_budget(landmark, budget, dynamic):
+    """θ = 0 would make every head static; where 2-bit keys would cost over half the budget (a
+    one-shot selection keeps too little), every head is dynamic whatever the landmark."""
     prefill = layer(n=1200, dtype=torch.bfloat16)
-    policy = make_policy("hybridkv", budget=0.05, theta=0.0, refresh="none", landmark=landmark)
+    policy = make_policy("hybridkv", budget=budget, theta=0.0, refresh="none", landmark=landmark)
     report = policy.compress(prefill).report
     assert int((~report.plan.static).sum()) == dynamic

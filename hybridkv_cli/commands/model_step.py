@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from hybridkv_cli.costs.step_model import MISS_SHARE
 from hybridkv_cli.io.errors import UsageError
 
 PROFILE = typer.Option(None, "--device-profile", metavar="NAME|FILE", help="A preset (h200-pcie5, gh200, "
@@ -32,15 +33,14 @@ def model_step(
     batch: str = typer.Option("1,16", help="Sequences decoded together."),
     budget: float = typer.Option(0.1, help="Budget of every compressed method."),
     dtype: str = typer.Option("bfloat16", help="KV and weight dtype: bfloat16 | float16 | float32."),
-    miss_share: float = typer.Option(0.1, help="Share of a dynamic head's slots a step replaces without the swap "
-                                     "cap (measured: docs/step_model.md); the default takes at most --swaps a head."),
+    miss_share: float = typer.Option(MISS_SHARE, help="Share of a dynamic head's slots a step copies in (measured "
+                                     "with the default stickiness: docs/step_model.md)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON rows, not the table."),
 ):
     """Modelled step time of every method at Qwen2.5-VL-7B geometry (estimates, not measurements:
     docs/step_model.md), with the speed-up over the full cache and the step against the
     compressed roofline (weights + budget × the full KV read from device memory)."""
     from hybridkv_cli.compression.base import check_budget
-    from hybridkv_cli.compression.hybridkv import HybridKV
     from hybridkv_cli.compression.index_choice import choose_index
     from hybridkv_cli.costs.profiles import resolve_profile
     from hybridkv_cli.costs.step_model import QWEN25_VL_7B, with_dtype
@@ -58,7 +58,7 @@ def model_step(
     geometry = with_dtype(QWEN25_VL_7B, sizes[dtype])
     g = geometry
     default, _ = choose_index(budget, max(lengths), g.kv_heads, g.head_dim, g.dtype_bytes, chosen)
-    rows = step_table(chosen, geometry, lengths, batches, budget, miss_share, default, HybridKV.swaps)
+    rows = step_table(chosen, geometry, lengths, batches, budget, miss_share, default)
     if as_json:
         print(json.dumps({"profile": chosen.as_dict(), "geometry": geometry.name, "dtype": dtype, "budget": budget,
                           "miss_share": miss_share, "rows": rows}))

@@ -46,6 +46,11 @@ REFRESH = typer.Option(None, help="hybridkv (static heads) / rcr: refresh while 
 REFRESH_RATE = typer.Option(None, help="rcr refresh: target share of layer-steps that "
                             "re-select [default: 0.4].")
 REFRESH_PERIOD = typer.Option(None, help="periodic refresh: every T-th decode step [default: 3].")
+SWAPS = typer.Option(None, help="HybridKV with 2-bit keys: most tokens a dynamic head takes in per decode step "
+                     "that it does not hold, so a step copies a bounded number of rows from host memory; 0: no "
+                     "cap [default: 0].")
+STICKINESS = typer.Option(None, help="HybridKV with 2-bit keys: logits a held token gains in the ranking, so a "
+                          "newcomer is copied in only when it beats it by that much [default: 1].")
 REFRESH_SLOTS = typer.Option(None, help="refresh: most entries per head that a refresh re-selects (c); the "
                              "rest keep the prefill's best [default: 256].")
 SINKS = typer.Option(None, help="streamingllm: attention-sink tokens kept at the start [default: 4].")
@@ -161,11 +166,12 @@ _FLAGS = {
     "refresh_period": (Optional[int], REFRESH_PERIOD), "refresh_slots": (Optional[int], REFRESH_SLOTS),
     "sinks": (Optional[int], SINKS), "page_size": (Optional[int], PAGE_SIZE),
     "head_scores": (Optional[str], HEAD_SCORES), "route": (Optional[str], ROUTE),
-    "index_file": (Optional[str], INDEX_FILE),
+    "index_file": (Optional[str], INDEX_FILE), "swaps": (Optional[int], SWAPS),
+    "stickiness": (Optional[float], STICKINESS),
 }
 HYBRIDKV_OPTIONS = ("window", "theta", "sparsity_topk", "share", "chunk_size", "sink_aware", "landmark", "index_file",
                     "refresh",
-                    "refresh_rate", "refresh_period", "refresh_slots")
+                    "refresh_rate", "refresh_period", "refresh_slots", "swaps", "stickiness")
 ALL_OPTIONS = tuple(_FLAGS)
 
 

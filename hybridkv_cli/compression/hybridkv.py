@@ -12,6 +12,7 @@ from hybridkv_cli.compression.allocate import LayerPlan, plan_layer
 from hybridkv_cli.compression.base import Compressed, LayerKV, PrefillLayer, check_choice
 from hybridkv_cli.compression.budget import Budget
 from hybridkv_cli.compression.classify import classify_static
+from hybridkv_cli.compression.index_choice import choose_index, every_head_dynamic
 from hybridkv_cli.compression.labels import channel_weights, choose_labels, layer_labels, load_label_file
 from hybridkv_cli.compression.landmarks import LANDMARKS, label_count
 from hybridkv_cli.compression.refresh import (RateController, Refresher, RefreshOptions, RefreshPolicy, refresh_summary,
@@ -20,6 +21,7 @@ from hybridkv_cli.compression.registry import register
 from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_cli.compression.static_prune import text_prior_keep
 from hybridkv_cli.compression.store import RaggedStore
+from hybridkv_cli.costs.profiles import device_profile
 
 
 @dataclass
@@ -64,6 +66,7 @@ class LayerRecord:
     fallback: bool  # dynamic heads made static: the budget could not pay for a retrieval chunk
     chunk: int
     landmark: str
+    landmark_reason: str
 
 
 @register("hybridkv")
@@ -83,8 +86,8 @@ class HybridKV(RefreshPolicy):
         w: the last prompt positions whose queries score the heads and the tokens, always kept
         (16: on the text dev splits 29 of 42 rows against 26 at the paper's 32, with 2-bit keys).
     theta : float
-        Heads whose sparsity score is >= theta are static (none where ``auto`` keeps the keys
-        in host memory: :meth:`every_head_dynamic`).
+        Heads whose sparsity score is >= theta are static (none where 2-bit keys would cost over
+        half the budget, whatever the landmark: :func:`~hybridkv_cli.compression.index_choice.every_head_dynamic`).
     sparsity_topk : float
         p: the sparsity score is the attention mass on the top ``ceil(p·N)`` positions.
     sink_aware : bool
@@ -100,8 +103,8 @@ class HybridKV(RefreshPolicy):
         ``host-keys``: the 2-bit keys in host memory, read whole every step (the device pays
         only each channel's range). ``labels`` ranks in two stages for a sixty-fourth of a bf16
         head's KV on the device (label channels, then 2-bit keys read from the host for the
-        candidates). ``auto`` (:meth:`landmark_for`): ``keys`` unless they would cost over half
-        of the budget, then ``host-keys`` with every head dynamic.
+        candidates). ``auto`` (:meth:`landmark_for`): ``keys`` while they cost at most half of
+        the budget (the fastest index that keeps the answers), then ``host-keys``.
         ``keys`` (every token's key at 2 bits per channel): on the text dev splits at b = 0.1 it
         answers 20 of 26 retrieval rows where min/max bounds answer 7 and the full cache 18 (a
         bound or a mean over a chunk blurs the one token a copy needs); every video dev needle,
@@ -117,6 +120,16 @@ class HybridKV(RefreshPolicy):
     refresh_slots : int
         c: most slots of a refreshed head that move; the rest keep the best of the prefill
         selection (bounds the cost of a refresh at long prompts).
+    swaps : int
+        With 2-bit keys (``keys``, ``host-keys``): most tokens a dynamic head takes in per step
+        that it does not hold, so a step copies at most ``swaps`` rows a head from host memory
+        whatever the prompt's length (0: no cap; on the text dev rows a cap of 16 loses 2 of 7
+        answers). The slots are filled at prefill from the device KV
+        (:func:`~hybridkv_cli.compression.retrieval.fill_slots`).
+    stickiness : float
+        With 2-bit keys: logits a held token gains in the ranking, so a newcomer must beat it by
+        that much to be copied in (1: a third fewer copies on the text dev rows, the same answers;
+        3 loses 4 of 7).
     index_file : str, optional
         A label file (``hybridkv calibrate``) giving the label channels of ``landmark="labels"``;
         without one they are chosen from the prompt (:mod:`~hybridkv_cli.compression.labels`).
@@ -131,29 +144,25 @@ class HybridKV(RefreshPolicy):
     alpha: float = 0.2
     landmark: str = "auto"
     index_file: str | None = None
+    swaps: int = 0
+    stickiness: float = 1.0
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("landmark", self.landmark, ("auto", *LANDMARKS))
         self._label_weights = load_label_file(self.index_file) if self.index_file else None
 
-    def landmark_for(self, budget: Budget, element_size: int) -> str:
-        """The landmark of a layer's ``budget`` and KV ``element_size``: with ``auto``, 2-bit keys
-        on the device while they cost at most half of it (fp32 down to b = 1/16, bf16 down to
-        1/8), else the same keys in host memory: above half, on the device they would leave
-        retrieval fewer tokens than they cost. On 26 text dev rows in bf16 at b = 0.05 the host
-        keys with every head dynamic answer 19, the full cache 19, the label index 14
-        (docs/quality.md)."""
+    def landmark_for(self, budget: Budget, element_size: int, length: int, heads: int, dim: int,
+                     device: torch.device) -> tuple[str, str]:
+        """``(landmark, reason)`` of a layer: with ``auto``, the index that keeps the answers at
+        this budget at the lowest modelled step time on the device
+        (:func:`~hybridkv_cli.compression.index_choice.choose_index`): 2-bit keys on the device
+        while they cost at most half of the budget, else in host memory."""
+        if budget.full:
+            return "keys", "b = 1 keeps the whole cache: nothing is ranked"
         if self.landmark != "auto":
-            return self.landmark
-        keys_share = 1 / (8 * element_size)  # d/4 bytes a token over its key and value, 2·d·size
-        return "keys" if budget.full or keys_share <= budget.fraction / 2 else "host-keys"
-
-    def every_head_dynamic(self, landmark: str) -> bool:
-        """Whether ``auto`` chose the host keys, where no head is pruned once: at b = 0.05 a
-        one-shot selection of a twentieth of the prompt loses what a step needs (26 text dev rows
-        in bf16: 16 answers with the heads classified, 19 with every head dynamic)."""
-        return self.landmark == "auto" and landmark == "host-keys"
+            return self.landmark, "chosen with --landmark"
+        return choose_index(budget.fraction, length, heads, dim, element_size, device_profile(device))
 
     def _labels(self, layer: PrefillLayer, landmark: str) -> torch.Tensor | None:
         """Every head's label channels [H, K] (``landmark="labels"``), else None."""
@@ -209,10 +218,11 @@ class HybridKV(RefreshPolicy):
         budget = Budget.of(self.budget, layer)
         attn, pooled = window_scores(layer.window_query(min(self.window, n)), layer.keys, scale=layer.scale)
         static, sparsity = classify_static(attn, self.theta, self.sparsity_topk, self.sink_aware)
-        landmark = self.landmark_for(budget, layer.keys.element_size())
+        landmark, reason = self.landmark_for(budget, layer.keys.element_size(), n, layer.num_heads,
+                                             layer.keys.shape[-1], layer.keys.device)
         if budget.full:  # every head keeps the whole prompt on the device: nothing to retrieve or refresh
             static = torch.ones_like(static)
-        elif self.every_head_dynamic(landmark):
+        elif every_head_dynamic(budget.fraction, layer.keys.element_size()):
             static = torch.zeros_like(static)
         refresh_on = self.refresh != "none" and not budget.full
         chunk = self.chunk_for(budget, landmark)
@@ -246,13 +256,14 @@ class HybridKV(RefreshPolicy):
             retrieval = DynamicHeads.offload(
                 layer.keys, layer.values, dynamic.nonzero().flatten(), store,
                 chunks=plan.chunks, chunk=chunk, num_chunks=num_chunks, landmark=landmark,
-                channels=self._labels(layer, landmark),
+                channels=self._labels(layer, landmark), query=layer.query[:, :, -1], swaps=self.swaps,
+                stickiness=self.stickiness,
             )
         refresher = None
         if refreshed.any():
             controller = RateController.shared(layer.run, options, layer.keys.device)
             refresher = Refresher.offload(layer.keys, layer.values, heads, store, fixed, moving, options, controller)
-        record = LayerRecord(sparsity.tolist(), plan, n, window, refresher, fallback, chunk, landmark)
+        record = LayerRecord(sparsity.tolist(), plan, n, window, refresher, fallback, chunk, landmark, reason)
         return Compressed(HybridLayerKV(store, retrieval, refresher), record)
 
     def summary(self, layers: list[LayerRecord]) -> dict:
@@ -291,6 +302,7 @@ class HybridKV(RefreshPolicy):
             "window": [r.window for r in layers],
             "retrieval_fallback_layers": sum(r.fallback for r in layers),
             "landmark": layers[0].landmark if layers else self.landmark,
+            "landmark_reason": layers[0].landmark_reason if layers else None,
             **({"label_channels": f"file {self.index_file}" if self.index_file else
                 "from the prompt (no --index-file)"} if any(r.landmark == "labels" for r in layers) else {}),
             "sink_aware": self.sink_aware,

@@ -74,7 +74,9 @@ def top_ids(scores: torch.Tensor, n: int) -> torch.Tensor:
 
 class Landmarks:
     """What every landmark kind shares: what it keeps in host memory and what a step reads from
-    there (none but the label index's second stage)."""
+    there (none but the label index's second stage). ``top(query, n, resident, swaps=,
+    stickiness=)`` ranks; the 2-bit key kinds change their selection less
+    (:mod:`hybridkv_kernels.swap_cap`), the others ignore ``resident`` and the rest."""
 
     def host_bytes(self) -> int:
         return 0
@@ -97,7 +99,7 @@ class MeanLandmarks(Landmarks):
     def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
         return heads * num_chunks * (dim + 4)
 
-    def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
+    def top(self, query: torch.Tensor, n: int, resident=None, **churn) -> torch.Tensor:
         return chunk_topk(query, self.codes, n, landmark_scale=self.scale)
 
     @property
@@ -126,7 +128,7 @@ class MinMaxLandmarks(Landmarks):
     def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
         return 2 * heads * num_chunks * (dim + 4)
 
-    def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
+    def top(self, query: torch.Tensor, n: int, resident=None, **churn) -> torch.Tensor:
         low = self.low.float() * self.low_scale[..., None]
         high = self.high.float() * self.high_scale[..., None]
         return top_ids(page_bounds(query, low, high), n)
@@ -149,7 +151,7 @@ class TokenDetector(Landmarks):
     def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
         return LowRankKeys.bytes_for(heads, num_chunks * chunk, dim, DETECTOR_RANK)
 
-    def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
+    def top(self, query: torch.Tensor, n: int, resident=None, **churn) -> torch.Tensor:
         best = self.keys.logits(query).amax(dim=1)  # [H, C*c]
         return top_ids(best.unflatten(1, (-1, self.chunk)).amax(dim=2), n)
 
@@ -176,8 +178,8 @@ class QuantKeys(Landmarks):
     def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
         return heads * (num_chunks * chunk * dim // 4 + 2 * dim * 4)
 
-    def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
-        return quant_key_topk(query, self.codes, self.bounds, self.chunk, n)
+    def top(self, query: torch.Tensor, n: int, resident: torch.Tensor | None = None, **churn) -> torch.Tensor:
+        return quant_key_topk(query, self.codes, self.bounds, self.chunk, n, resident=resident, **churn)
 
     @property
     def pass_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +245,7 @@ class LabelKeys(Landmarks):
         labels = label_count(dim)
         return heads * (num_chunks * chunk * labels // 4 + 2 * labels * 4 + 8 * labels + 2 * dim * 4)
 
-    def top(self, query: torch.Tensor, n: int) -> torch.Tensor:
+    def top(self, query: torch.Tensor, n: int, resident=None, **churn) -> torch.Tensor:
         labelled = query.gather(2, self.channels[:, None].expand(-1, query.shape[1], -1))
         candidates = quant_key_topk(labelled, self.codes, self.bounds, 1, CANDIDATES * n)
         return candidate_key_topk(query, self.host_codes, self.host_bounds, candidates, n)

@@ -96,6 +96,8 @@ CHECKS = {
     "refresh_rate": _float_in(0.0, 1.0),
     "refresh_period": _int_in(1),
     "refresh_slots": _int_in(1),
+    "swaps": _int_in(0),
+    "stickiness": _float_in(0.0, 100.0),
     "sinks": _int_in(0),
     "page_size": _int_in(1),
     "head_scores": _path,

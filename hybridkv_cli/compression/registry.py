@@ -62,6 +62,8 @@ class MethodOptions:
     refresh_rate: float | None = None
     refresh_period: int | None = None
     refresh_slots: int | None = None
+    swaps: int | None = None
+    stickiness: float | None = None
     sinks: int | None = None
     page_size: int | None = None
     head_scores: str | None = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv_cli.compression.landmarks import LANDMARKS, LabelKeys, MeanLandmarks
+from hybridkv_cli.compression.landmarks import LANDMARKS, LabelKeys, MeanLandmarks, top_ids
 from hybridkv_cli.compression.store import RaggedStore, tensor_bytes, to_host
 from hybridkv_kernels import RetrievalPart, RetrievalTable, chunk_gather, chunk_retrieve
 
@@ -35,6 +35,10 @@ class DynamicHeads:
         Store row of each dynamic head's first slot.
     resident : LongTensor [H_dyn, n]
         Chunk held by each slot (-1: empty).
+    swaps, stickiness : int, float
+        With 2-bit keys, a selection that changes less (:mod:`hybridkv_kernels.swap_cap`): at most
+        ``swaps`` chunks a head a step that it does not hold (0: no cap), and a held chunk ranking
+        ``stickiness`` logits above its score.
     """
 
     heads: torch.Tensor
@@ -43,6 +47,8 @@ class DynamicHeads:
     landmarks: object
     slot_base: torch.Tensor
     resident: torch.Tensor
+    swaps: int = 0  # most new chunks a head takes a step (2-bit keys; 0: no cap)
+    stickiness: float = 0.0  # logits a held chunk gains in the ranking (2-bit keys)
 
     def __post_init__(self):
         self.transferred = torch.zeros((), dtype=torch.long, device=self.resident.device)  # read at the end
@@ -50,23 +56,29 @@ class DynamicHeads:
     @classmethod
     def offload(
         cls, keys, values, heads: torch.Tensor, store: RaggedStore, *, chunks: int, chunk: int, num_chunks: int,
-        landmark: str = "mean", channels: torch.Tensor | None = None,
+        landmark: str = "mean", channels: torch.Tensor | None = None, query: torch.Tensor | None = None,
+        swaps: int = 0, stickiness: float = 0.0,
     ) -> "DynamicHeads":
         """Move the first ``num_chunks * chunk`` prompt positions of ``heads`` to the host and
         build their landmarks.
 
         ``keys``/``values`` are the layer's full prompt KV [H, N, d]; ``store`` already reserves
         ``chunks * chunk`` slot rows at the start of each dynamic head's segment; ``channels``
-        [H, K] are the label channels of every head (``landmark="labels"``).
+        [H, K] are the label channels of every head (``landmark="labels"``). With ``query`` (the
+        last prompt position's, [H, G, d]) the slots are filled here, from the KV the prefill
+        holds on the device, with the chunks its exact logits rank first: the first decode step
+        then copies what changed, not every slot.
         """
         dim = keys.shape[-1]
         span = num_chunks * chunk
         k = keys[heads, :span].reshape(len(heads), num_chunks, chunk, dim)
         v = values[heads, :span].reshape(len(heads), num_chunks, chunk, dim)
         landmarks = LabelKeys.build(k, channels[heads]) if landmark == "labels" else LANDMARKS[landmark].build(k)
-        host_k, host_v = to_host(k), to_host(v)
+        base = store.offsets[heads].clone()
         resident = torch.full((len(heads), chunks), -1, dtype=torch.long, device=keys.device)
-        return cls(heads, host_k, host_v, landmarks, store.offsets[heads].clone(), resident)
+        if query is not None and chunks and num_chunks:
+            resident = fill_slots(query[heads], k, v, store, base, chunks)
+        return cls(heads, to_host(k), to_host(v), landmarks, base, resident, swaps, stickiness)
 
     @staticmethod
     def device_bytes_for(heads: int, chunks: int, chunk: int, num_chunks: int, dim: int, landmark: str) -> int:
@@ -78,7 +90,8 @@ class DynamicHeads:
         the gather's)."""
         if self.resident.shape[1] == 0:
             return
-        want = self.landmarks.top(query[self.heads], self.resident.shape[1])
+        want = self.landmarks.top(query[self.heads], self.resident.shape[1], self.resident, swaps=self.swaps,
+                                  stickiness=self.stickiness)
         if read := self.landmarks.read_bytes(self.resident.shape[1]):  # host bytes the ranking read
             self.transferred.add_(read)
         chunk_gather(self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want, backend,
@@ -111,8 +124,10 @@ class DynamicHeads:
         ``retrieval_table`` of their :meth:`parts` built earlier), the others one by one; all
         with ``backend``."""
         one_pass = DynamicHeads.one_pass(items)
-        if one_pass:
-            chunk_retrieve([q[d.heads] for d, q, _ in one_pass], DynamicHeads.parts(one_pass), backend, table)
+        if one_pass:  # one policy's layers: one cap
+            first = one_pass[0][0]
+            chunk_retrieve([q[d.heads] for d, q, _ in one_pass], DynamicHeads.parts(one_pass), backend, table,
+                           first.swaps, first.stickiness)
         for d, q, s in items:
             if all(d is not other for other, _, _ in one_pass):
                 d.refresh(q, s, backend)
@@ -125,3 +140,20 @@ class DynamicHeads:
 
     def transferred_bytes(self) -> int:
         return int(self.transferred)
+
+
+def fill_slots(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: RaggedStore, base: torch.Tensor,
+               slots: int) -> torch.Tensor:
+    """Fill each head's ``slots`` with the chunks whose best exact logit for ``query`` [H, G, d]
+    is highest (``k``/``v`` [H, C, c, d] on the device; slot ``s`` of head ``h`` is store rows
+    ``base[h] + s·c …``). Returns the resident chunk ids [H, slots], ascending."""
+    heads, num_chunks, chunk, dim = k.shape
+    logits = torch.einsum("hgd,htd->hgt", query.float(), k.flatten(1, 2).float()).amax(dim=1)
+    want = top_ids(logits.unflatten(1, (num_chunks, chunk)).amax(dim=2), slots)
+    taken = want.shape[1]
+    rows = (base[:, None, None] + torch.arange(taken, device=k.device)[None, :, None] * chunk
+            + torch.arange(chunk, device=k.device)[None, None, :]).flatten()
+    at = torch.arange(heads, device=k.device)[:, None]
+    store.keys[rows] = k[at, want].reshape(-1, dim)
+    store.values[rows] = v[at, want].reshape(-1, dim)
+    return torch.cat([want, want.new_full((heads, slots - taken), -1)], dim=1)

@@ -29,17 +29,22 @@ from dataclasses import dataclass, replace
 from hybridkv_cli.costs.profiles import DeviceProfile
 
 CANDIDATES = 4  # label-ranked candidates per slot, as compression.landmarks.CANDIDATES
+# Share of a dynamic head's slots a step copies in, measured on the 26 text dev rows (SmolLM2, bf16,
+# b = 0.1, 2-bit keys on the device, every head dynamic): with the default stickiness of one
+# logit, and without it (docs/step_model.md).
+MISS_SHARE = 0.24
+MISS_SHARE_NOT_STICKY = 0.36
 MEAN_CHUNK = 16  # chunk-mean landmarks at their default chunk
 QUEST_PAGE = 8
 
 # Kernels per layer-step beyond the model's own: the KV append and the attention (every method),
 # then each method's ranking and gather (the ceilings of the emulated CUDA step,
-# tests/test_cuda_path.py; the swap cap's eight small ops on 2-bit keys). ``shared`` kernels serve
-# a whole batch in one launch; ``per_member`` run once per sequence (the host-code rankings rank
-# one sequence at a time).
+# tests/test_cuda_path.py; the swap cap runs inside the selection's launch). ``shared`` kernels
+# serve a whole batch in one launch; ``per_member`` run once per sequence (the host-code rankings
+# rank one sequence at a time).
 KERNELS = {  # method -> (shared, per_member)
     "full": (3, 0), "one-shot": (3, 0), "quest": (6, 0),
-    "keys": (15, 0), "mean": (7, 0), "host-keys": (3, 12), "labels": (3, 6),
+    "keys": (7, 0), "mean": (7, 0), "host-keys": (3, 4), "labels": (3, 6),
 }
 
 

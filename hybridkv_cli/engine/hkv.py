@@ -259,8 +259,8 @@ def _build(header: dict, tensors: dict, loaded) -> Prefix:
             raise GraphError(f"storage {key[:20]} is not bytes")
         if info["device"] != "cpu":
             data = data.to(device)
-        elif info.get("pinned") is True and torch.cuda.is_available():
-            data = data.pin_memory()
+        elif device.type == "cuda" and data.numel():  # host state read in place by the kernels: pinned,
+            data = data.pin_memory()                   # however the file was saved
         storages[key] = data
     rebuilt = rebuild(storages, header["tree"])
     if type(rebuilt) is not tuple or len(rebuilt) != 2 or type(rebuilt[1]) is not tuple or len(rebuilt[1]) != 3:

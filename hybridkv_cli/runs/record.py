@@ -64,9 +64,14 @@ def measurements(loaded: LoadedModel, policy: Policy, run: Generation) -> dict:
     budget_bytes = policy.budget * per_token * compressed
     device_bytes = run.cache.device_bytes()
     steps = len(run.step_s)
+    h2d = run.cache.transferred_bytes() if run.cache.host_bytes() else 0
+    heads = run.cache.summary()
+    decode = {"tokens": len(run.tokens), **latency_stats(run.step_s)}
+    if loaded.device.type == "cuda":  # the step model's estimate beside the measured time
+        decode["modelled"] = modelled_step(loaded, device_bytes, h2d / steps if steps else 0.0, heads)
     return {
         "prefill_s": run.prefill_s,
-        "decode": {"tokens": len(run.tokens), **latency_stats(run.step_s)},
+        "decode": decode,
         "kv": {
             "device_bytes": device_bytes,
             "device_bytes_after_prefill": run.device_bytes_after_prefill,
@@ -79,12 +84,24 @@ def measurements(loaded: LoadedModel, policy: Policy, run: Generation) -> dict:
             "cuda_peak_bytes": run.cuda_peak_bytes,
         },
         "traffic": (
-            {"h2d_bytes_total": run.cache.transferred_bytes(),
-             "h2d_bytes_per_step_mean": run.cache.transferred_bytes() / steps if steps else 0.0}
+            {"h2d_bytes_total": h2d, "h2d_bytes_per_step_mean": h2d / steps if steps else 0.0}
             if run.cache.host_bytes() else None
         ),
-        "heads": run.cache.summary(),
+        "heads": heads,
     }
+
+
+def modelled_step(loaded: LoadedModel, device_kv_bytes: int, h2d_per_step: float, heads: dict | None) -> dict:
+    """:func:`~hybridkv_cli.costs.step_model.run_estimate` for a run on ``loaded``'s device: the
+    language model's weights (every parameter outside the vision tower) read once a step."""
+    from hybridkv_cli.costs.profiles import device_profile
+    from hybridkv_cli.costs.step_model import run_estimate
+
+    weights = sum(p.numel() * p.element_size() for name, p in loaded.model.named_parameters()
+                  if "visual" not in name and "vision" not in name)
+    return run_estimate(device_profile(loaded.device), layers=loaded.num_layers, weight_bytes=weights,
+                        device_kv_bytes=device_kv_bytes, h2d_bytes_per_step=h2d_per_step,
+                        index=(heads or {}).get("landmark"))
 
 
 def make_record(loaded: LoadedModel, info: dict, question: str, policy: Policy, run: Generation,
