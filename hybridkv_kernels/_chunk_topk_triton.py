@@ -135,14 +135,21 @@ def _select(base, out, C, K, BLOCK: tl.constexpr):
     for c0 in range(0, C, BLOCK):
         ids = c0 + offs
         mask = ids < C
-        key = _order_key(tl.load(base + ids, mask=mask, other=0.0))
-        eq = ((key == lo) & mask).to(tl.int32)
-        eq_rank = tl.cumsum(eq, 0) + n_eq  # 1-based rank among the ties seen so far
-        sel = (((key > lo) & mask) | ((eq > 0) & (eq_rank <= need))).to(tl.int32)
+        sel, n_eq = _in_top(tl.load(base + ids, mask=mask, other=0.0), mask, lo, need, n_eq)
+        sel = sel.to(tl.int32)
         dest = n_out + tl.cumsum(sel, 0) - 1
         tl.store(out + dest, ids.to(tl.int64), mask=sel > 0)
         n_out += tl.sum(sel, 0)
-        n_eq += tl.sum(eq, 0)
+
+
+@triton.jit
+def _in_top(scores, mask, lo, need, n_eq):
+    """Which of a block's ``scores`` are in the top K of the row (threshold key ``lo``, ``need``
+    ties at it, ``n_eq`` ties seen in earlier blocks: the lowest ids win), and the ties seen now."""
+    key = _order_key(scores)
+    eq = ((key == lo) & mask).to(tl.int32)
+    eq_rank = tl.cumsum(eq, 0) + n_eq  # 1-based rank among the ties seen so far
+    return ((key > lo) & mask) | ((eq > 0) & (eq_rank <= need)), n_eq + tl.sum(eq, 0)
 
 
 @triton.jit
@@ -184,12 +191,8 @@ def capped_topk_kernel(
         for c0 in range(0, C, BLOCK):
             ids = c0 + offs
             mask = ids < C
-            key = _order_key(tl.load(base + ids, mask=mask, other=0.0))
-            eq = ((key == lo) & mask).to(tl.int32)
-            eq_rank = tl.cumsum(eq, 0) + n_eq
-            keep = (key > lo) | ((eq > 0) & (eq_rank <= need))
+            keep, n_eq = _in_top(tl.load(base + ids, mask=mask, other=0.0), mask, lo, need, n_eq)
             tl.store(base + ids, tl.full([BLOCK], float("-inf"), tl.float32), mask=mask & ~keep)
-            n_eq += tl.sum(eq, 0)
         tl.debug_barrier()
         for j0 in range(0, K, BLOCK_N):
             m = (j0 + offs_n) < K

@@ -7,7 +7,8 @@ attention gives them little weight. Two ways to copy less:
 
 * **stickiness** (``bonus``): a held chunk ranks ``bonus`` above its score, so a newcomer enters
   only when it beats the weakest held chunk by that margin. At 1 logit it copies a third less
-  on the dev rows with the same answers (docs/step_model.md).
+  on the dev rows with the same answers (opt-in: the test rows answered fewer; see
+  docs/step_model.md).
 * **a cap** (``limit``): a step's selection is the top ``n`` of the held chunks and the ``limit``
   best others, so at most ``limit`` chunks enter, a bound on the copy whatever the prompt's
   length. A head with an empty slot is not capped (it fills).

@@ -7,7 +7,7 @@
 #   sync.json           decode layer-steps (both head kinds, refresh) under torch.cuda.set_sync_debug_mode("error")
 #   launches.json       CUDA kernels per layer-step from torch.profiler (single run and batch)
 #   profile.json        the measured device profile (hybridkv_cli/costs/probe.py) and the modelled 32k step
-#   indexes.jsonl/.json a 32k decode of the full cache, the default, host keys, labels, no stickiness, 16 swaps
+#   indexes.jsonl/.json a 32k decode of the full cache, the default, host keys, labels, stickiness 1, 16 swaps
 #                       (measured ms/token beside the modelled ones of profile.json)
 #   kernel_tests.xml    the Triton kernel tests compiled for this GPU
 #   decode.jsonl/.json  one 32k-token prompt, a few decode steps of every method and stock SDPA (warm-up first,
@@ -92,7 +92,7 @@ step profile 60 20 sh -c "python -m hybridkv_cli.cli model-step --device-profile
     --json > '$OUT_DIR/profile.json'"
 step indexes 150 60 sh -c "python benchmarks/decode.py --device cuda --dtype bfloat16 --layers 28 --intermediate 18944 \
     --lengths 32768 --budgets 0.1 --new-tokens 8 --methods hybridkv hybridkv:landmark=host-keys \
-    hybridkv:landmark=labels hybridkv:stickiness=0 hybridkv:swaps=16 --out '$OUT_DIR/indexes.json' | grep '^{' > '$OUT_DIR/indexes.jsonl'"
+    hybridkv:landmark=labels hybridkv:stickiness=1 hybridkv:swaps=16 --out '$OUT_DIR/indexes.json' | grep '^{' > '$OUT_DIR/indexes.jsonl'"
 
 # --- the kernels, compiled for this GPU
 step kernel_tests 120 40 python -m pytest -q -x -p no:cacheprovider tests/test_kernel_triton.py tests/test_merge_splits.py \

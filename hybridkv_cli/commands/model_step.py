@@ -34,7 +34,7 @@ def model_step(
     budget: float = typer.Option(0.1, help="Budget of every compressed method."),
     dtype: str = typer.Option("bfloat16", help="KV and weight dtype: bfloat16 | float16 | float32."),
     miss_share: float = typer.Option(MISS_SHARE, help="Share of a dynamic head's slots a step copies in (measured "
-                                     "with the default stickiness: docs/step_model.md)."),
+                                     "on the dev rows: docs/step_model.md)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON rows, not the table."),
 ):
     """Modelled step time of every method at Qwen2.5-VL-7B geometry (estimates, not measurements:

@@ -50,7 +50,7 @@ SWAPS = typer.Option(None, help="HybridKV with 2-bit keys: most tokens a dynamic
                      "that it does not hold, so a step copies a bounded number of rows from host memory; 0: no "
                      "cap [default: 0].")
 STICKINESS = typer.Option(None, help="HybridKV with 2-bit keys: logits a held token gains in the ranking, so a "
-                          "newcomer is copied in only when it beats it by that much [default: 1].")
+                          "newcomer is copied in only when it beats it by that much [default: 0].")
 REFRESH_SLOTS = typer.Option(None, help="refresh: most entries per head that a refresh re-selects (c); the "
                              "rest keep the prefill's best [default: 256].")
 SINKS = typer.Option(None, help="streamingllm: attention-sink tokens kept at the start [default: 4].")

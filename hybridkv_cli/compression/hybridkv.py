@@ -128,8 +128,10 @@ class HybridKV(RefreshPolicy):
         (:func:`~hybridkv_cli.compression.retrieval.fill_slots`).
     stickiness : float
         With 2-bit keys: logits a held token gains in the ranking, so a newcomer must beat it by
-        that much to be copied in (1: a third fewer copies on the text dev rows, the same answers;
-        3 loses 4 of 7).
+        that much to be copied in (1: a third fewer copies on the text dev rows with the same
+        answers, but fewer on the test rows; 3 loses 3 of 7 dev answers). 0 (the default): the
+        selection is each step's top-n, whatever is held, so the prefill's slot fill changes
+        what is copied, never what is chosen.
     index_file : str, optional
         A label file (``hybridkv calibrate``) giving the label channels of ``landmark="labels"``;
         without one they are chosen from the prompt (:mod:`~hybridkv_cli.compression.labels`).
@@ -145,7 +147,7 @@ class HybridKV(RefreshPolicy):
     landmark: str = "auto"
     index_file: str | None = None
     swaps: int = 0
-    stickiness: float = 1.0
+    stickiness: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()

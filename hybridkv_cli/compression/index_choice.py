@@ -7,7 +7,7 @@ kept at least 90 % of the full cache's answers there, the question answered and 
 * ``keys`` (2-bit keys on the device) while they cost at most half of the budget. Over half, the
   retrieved tokens are too few for a question read after compression: in bf16 at b = 0.1 (the
   keys 5/8 of the budget, every head dynamic) they answer 16 of 26 dev rows with the question
-  (full cache 18) but 10 of 22 with it deferred (full 16), where host keys answer 13;
+  (full cache 18) but 10 of 23 with it deferred (full 16), where host keys answer 15 of 26 (full 18);
 * ``host-keys`` at every budget (at b = 0.05 in bf16 19 of 19 of the full cache's answers);
 * not ``labels`` (61–83 % of the full cache at b = 0.05–0.1) nor chunk ``mean`` keys (7 of 26
   where 2-bit keys answer 20).

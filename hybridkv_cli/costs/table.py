@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from hybridkv_cli.costs.profiles import DeviceProfile
-from hybridkv_cli.costs.step_model import MISS_SHARE_NOT_STICKY, Geometry, method_traffic, roofline_ms, step_ms
+from hybridkv_cli.costs.step_model import MISS_SHARE_STICKY, Geometry, method_traffic, roofline_ms, step_ms
 
 # name in the table -> (the step model's method, share of slots a step copies or None: the default's, swaps)
 METHODS = {"full": ("full", None, 0), "snapkv (prune once)": ("one-shot", None, 0), "quest": ("quest", None, 0),
-           "hybridkv keys": ("keys", None, 0), "hybridkv keys, not sticky": ("keys", MISS_SHARE_NOT_STICKY, 0),
+           "hybridkv keys": ("keys", None, 0), "hybridkv keys, stickiness 1": ("keys", MISS_SHARE_STICKY, 0),
            "hybridkv keys, swaps 16": ("keys", None, 16), "hybridkv host-keys": ("host-keys", None, 0),
            "hybridkv labels": ("labels", None, 0), "hybridkv mean": ("mean", None, 0)}
 
@@ -16,7 +16,7 @@ def step_table(profile: DeviceProfile, geometry: Geometry, lengths: list[int], b
                miss_share: float, default: str) -> list[dict]:
     """One row per length, batch and method: modelled ms a step, tokens/s, speed-up over the full
     cache and the step against the compressed roofline. A HybridKV index copies ``miss_share`` of
-    its slots a step (the measured share with the default stickiness), but for the rows that say
+    its slots a step (the measured share of the default selection), but for the rows that say
     otherwise; ``default`` is the index ``--landmark auto`` takes at this budget."""
     rows = []
     names = {**METHODS, f"hybridkv (default: {default})": (default, None, 0)}
