@@ -140,3 +140,14 @@ def test_a_bad_profile_file_is_exit_2_naming_it(tmp_path, capsys):
     path = _profile_file(tmp_path, hbm_gbps=0, link_gbps=1, link_scattered_gbps=1, launch_us=1)
     assert run(["model-step", "--device-profile", str(path)]) == 2
     assert str(path) in capsys.readouterr().err
+
+
+def test_the_environment_overrides_the_profile_a_run_is_priced_with(monkeypatch, tmp_path):
+    from hybridkv_cli.costs.profiles import device_profile
+
+    assert device_profile(torch.device("cpu")) is PRESETS["cpu"]
+    monkeypatch.setenv("HYBRIDKV_DEVICE_PROFILE", "gh200")
+    assert device_profile(torch.device("cpu")) is PRESETS["gh200"]
+    monkeypatch.setenv("HYBRIDKV_DEVICE_PROFILE", "nope")
+    with pytest.raises(UsageError, match="unknown device profile"):
+        device_profile(torch.device("cpu"))

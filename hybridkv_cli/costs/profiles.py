@@ -168,7 +168,12 @@ def probe_profile(device=None) -> DeviceProfile:
 
 
 def device_profile(device) -> DeviceProfile:
-    """The profile a run on ``device`` is priced with: measured on CUDA, ``cpu`` elsewhere."""
+    """The profile a run on ``device`` is priced with (``--landmark auto``'s choice, the record's
+    estimate): ``HYBRIDKV_DEVICE_PROFILE`` (a preset, a file or ``measured``) where set, else
+    measured on CUDA and ``cpu`` elsewhere."""
+    override = os.environ.get("HYBRIDKV_DEVICE_PROFILE")
+    if override:
+        return resolve_profile(override, device)
     if getattr(device, "type", str(device)) == "cuda":
         return resolve_profile(None, device)
     return PRESETS["cpu"]
