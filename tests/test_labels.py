@@ -147,3 +147,22 @@ def test_one_rule_makes_every_head_dynamic_where_the_keys_would_cost_over_half_t
     policy = make_policy("hybridkv", budget=budget, theta=0.0, refresh="none", landmark=landmark)
     report = policy.compress(prefill).report
     assert int((~report.plan.static).sum()) == dynamic
+
+
+@pytest.mark.parametrize("landmark", ["host-keys", "keys"])
+def test_dynamic_slots_are_filled_at_prefill_with_the_last_querys_best_tokens(landmark):
+    """Every slot holds, right after compression, a token the last prompt query's exact logits rank
+    first (max over the group), its key and value in the store rows: the first decode step then
+    copies only what its own ranking changes."""
+    prefill = layer(n=1200, dtype=torch.float32)
+    kv = make_policy("hybridkv", budget=0.05, landmark=landmark).compress(prefill).kv
+    dyn, store = kv.dynamic, kv.store
+    n = dyn.resident.shape[1]
+    assert n > 0 and bool((dyn.resident >= 0).all())
+    for i, head in enumerate(dyn.heads.tolist()):
+        span = dyn.host_k.shape[1]
+        logits = (prefill.query[head, :, -1] @ prefill.keys[head, :span].T).amax(dim=0)
+        assert dyn.resident[i].tolist() == sorted(logits.topk(n).indices.tolist())
+        rows = dyn.slot_base[i] + torch.arange(n)
+        assert torch.equal(store.keys[rows], prefill.keys[head, dyn.resident[i]])
+        assert torch.equal(store.values[rows], prefill.values[head, dyn.resident[i]])
