@@ -145,8 +145,9 @@ def decode_launches(tokens: int, budget: float, batch: int) -> None:
 
 
 def retrieval_launches(tokens: int, budget: float, batch: int, chunk: int) -> None:
-    """A layer's retrieval for the dynamic heads: scores, top-k, plan, gather; from 2-bit keys
-    (``chunk`` 1, the default) or from int8 mean keys (chunks of ``MEAN_CHUNK``)."""
+    """A layer's retrieval for the dynamic heads: scores, top-k (plain, and with ``--stickiness`` /
+    ``--swaps``), plan, gather; from 2-bit keys (``chunk`` 1, the default) or from int8 mean keys
+    (chunks of ``MEAN_CHUNK``)."""
     br, cg, ct, qk = (importlib.import_module(f"hybridkv_kernels.{m}")  # (modules, not the ops of their names)
                       for m in ("batched_retrieval", "chunk_gather", "chunk_topk", "quant_keys"))
     heads = H_KV * batch
@@ -164,8 +165,9 @@ def retrieval_launches(tokens: int, budget: float, batch: int, chunk: int) -> No
                                 resident, _meta((), dtype=torch.int64))
         br._launch(q, part, br.RetrievalTable(_meta(heads, 12, dtype=torch.int64), chunks, n, chunk))
         return
-    if chunk == 1:
+    if chunk == 1:  # the plain selection, and the one with the held tokens' bonus and the swap cap
         ct.launch_topk(qk.launch_scores(q, landmarks, scale, 1), n)
+        ct.launch_topk(_meta(heads, chunks, dtype=torch.float32), n, resident=resident, limit=16, bonus=1.0)
     else:
         ct._launch(q, landmarks, n, scale)
     cg._launch(host, host, store, store, _meta(heads, dtype=torch.int64), resident, resident)

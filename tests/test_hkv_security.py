@@ -302,4 +302,4 @@ def test_the_schema_is_pinned_to_the_format_version():
     Bump ``hkv.FORMAT_VERSION`` and this pin together."""
     from hybridkv_cli.engine.state_kinds import schema_digest
 
-    assert (hkv.FORMAT_VERSION, schema_digest()) == (4, "fe28c07700d7c1bc")
+    assert (hkv.FORMAT_VERSION, schema_digest()) == (5, "f40fcee42d888551")

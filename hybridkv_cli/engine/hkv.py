@@ -40,8 +40,8 @@ from hybridkv_cli.models.prompt import QuestionTemplate
 
 SUFFIX = ".hkv"
 FORMAT = "hybridkv-cache"
-FORMAT_VERSION = 4  # 2: kinds from a fixed table, the header under the checksum; 3: label landmarks;
-# 4: host-resident 2-bit keys
+FORMAT_VERSION = 5  # 2: kinds from a fixed table, the header under the checksum; 3: label landmarks;
+# 4: host-resident 2-bit keys; 5: dynamic heads' swap cap and stickiness
 _META_KEY = "hybridkv"
 _EXTRA = ("visual", "rope_deltas")
 
