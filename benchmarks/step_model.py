@@ -11,7 +11,6 @@ import argparse
 import json
 from pathlib import Path
 
-from hybridkv_cli.compression.index_choice import choose_index
 from hybridkv_cli.costs.profiles import PRESETS
 from hybridkv_cli.costs.step_model import MISS_SHARE, QWEN25_VL_7B
 from hybridkv_cli.costs.table import step_table
@@ -33,8 +32,7 @@ def main() -> None:
         for name, profile in PRESETS.items():
             if name == "cpu":
                 continue
-            default, _ = choose_index(budget, max(lengths), g.kv_heads, g.head_dim, g.dtype_bytes, profile)
-            rows = step_table(profile, g, lengths, batches, budget, args.miss_share, default)
+            rows = step_table(profile, g, lengths, batches, budget, args.miss_share)
             out[f"{name}@{budget:g}"] = rows
             print(f"\n**{name}**, b = {budget:g} ({profile.hbm_gbps:g} GB/s HBM, {profile.link_gbps:g} / "
                   f"{profile.link_scattered_gbps:g} GB/s host link large / scattered, {profile.launch_us:g} µs a "

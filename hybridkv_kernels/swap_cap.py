@@ -43,7 +43,7 @@ def cap_scores(scores: torch.Tensor, resident: torch.Tensor, limit: int = 0, bon
     bonus : float
         What a held chunk's score gains, in the scores' units.
     """
-    rows, chunks = scores.shape
+    chunks = scores.shape[1]
     held = resident >= 0
     is_resident = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, resident.clamp_min(0), held)
     out = scores + bonus * is_resident if bonus else scores

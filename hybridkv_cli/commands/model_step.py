@@ -41,7 +41,6 @@ def model_step(
     docs/step_model.md), with the speed-up over the full cache and the step against the
     compressed roofline (weights + budget × the full KV read from device memory)."""
     from hybridkv_cli.compression.base import check_budget
-    from hybridkv_cli.compression.index_choice import choose_index
     from hybridkv_cli.costs.profiles import resolve_profile
     from hybridkv_cli.costs.step_model import QWEN25_VL_7B, with_dtype
     from hybridkv_cli.costs.table import step_table
@@ -56,9 +55,7 @@ def model_step(
     device = _cuda_if_any() if profile in (None, "measured") else None
     chosen = resolve_profile(profile, device)
     geometry = with_dtype(QWEN25_VL_7B, sizes[dtype])
-    g = geometry
-    default, _ = choose_index(budget, max(lengths), g.kv_heads, g.head_dim, g.dtype_bytes, chosen)
-    rows = step_table(chosen, geometry, lengths, batches, budget, miss_share, default)
+    rows = step_table(chosen, geometry, lengths, batches, budget, miss_share)
     if as_json:
         print(json.dumps({"profile": chosen.as_dict(), "geometry": geometry.name, "dtype": dtype, "budget": budget,
                           "miss_share": miss_share, "rows": rows}))

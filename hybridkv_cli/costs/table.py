@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hybridkv_cli.compression.index_choice import choose_index
 from hybridkv_cli.costs.profiles import DeviceProfile
 from hybridkv_cli.costs.step_model import MISS_SHARE_STICKY, Geometry, method_traffic, roofline_ms, step_ms
 
@@ -13,11 +14,13 @@ METHODS = {"full": ("full", None, 0), "snapkv (prune once)": ("one-shot", None, 
 
 
 def step_table(profile: DeviceProfile, geometry: Geometry, lengths: list[int], batches: list[int], budget: float,
-               miss_share: float, default: str) -> list[dict]:
+               miss_share: float) -> list[dict]:
     """One row per length, batch and method: modelled ms a step, tokens/s, speed-up over the full
     cache and the step against the compressed roofline. A HybridKV index copies ``miss_share`` of
     its slots a step (the measured share of the default selection), but for the rows that say
-    otherwise; ``default`` is the index ``--landmark auto`` takes at this budget."""
+    otherwise; the last row is the index ``--landmark auto`` takes at this budget."""
+    g = geometry
+    default, _ = choose_index(budget, max(lengths), g.kv_heads, g.head_dim, g.dtype_bytes, profile)
     rows = []
     names = {**METHODS, f"hybridkv (default: {default})": (default, None, 0)}
     for tokens in lengths:
