@@ -70,7 +70,21 @@ class PolicyLayer(CacheLayerMixin):
 
 class AttendingCache(Cache):
     """A cache whose attention calls find it: :meth:`update` hands it to the attention call that
-    follows (see the module docstring)."""
+    follows (see the module docstring), which asks it for the layer's attention (:meth:`attention`)."""
+
+    def attention(self, module, query, key, value, attention_mask, scaling, dropout, kwargs):
+        """Layer ``module.layer_idx``'s attention output: at prefill stock SDPA over the full
+        prompt, then the layer compressed; at a decode step the compressed layer's attention."""
+        layer = self.layers[module.layer_idx]
+        if layer.kv is None:
+            out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                         **kwargs)
+            self.compress_layer(module.layer_idx, query, key, value, scaling)
+            return out
+        batch, q_heads, q_len, dim = query.shape  # q_len 1: a decode step (of each member of a batch)
+        grouped = query[:, :, 0].reshape(batch * key.shape[1], -1, dim)
+        out = layer.kv.attend(grouped, scaling)
+        return out.reshape(batch, q_len, q_heads, dim), None
 
     def update(self, key_states, value_states, layer_idx: int, *args, kwargs: dict | None = None, **rest):
         """Cache the new keys and values; hand this cache to the attention call that follows
@@ -174,15 +188,7 @@ def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
     cache = kwargs.pop(CACHE_KWARG, None)
     if cache is None:  # not generating through a PolicyCache (e.g. a plain forward): behave as SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    layer = cache.layers[module.layer_idx]
-    if layer.kv is None:
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        cache.compress_layer(module.layer_idx, query, key, value, scaling)
-        return out
-    batch, q_heads, q_len, dim = query.shape  # q_len 1: a decode step (of each member of a batch)
-    grouped = query[:, :, 0].reshape(batch * key.shape[1], -1, dim)
-    out = layer.kv.attend(grouped, scaling)
-    return out.reshape(batch, q_len, q_heads, dim), None
+    return cache.attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
 
 
 @contextlib.contextmanager
