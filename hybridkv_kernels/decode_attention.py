@@ -12,6 +12,14 @@ q                 [H_kv, G, d]   one decode step, query head j -> KV head j // G
 keys, values      [T, d]         flat store; KV head h owns rows offsets[h] : offsets[h]+lengths[h]
 offsets, lengths  [H_kv] int64   on the store's device; a head may have length 0
 gen_k, gen_v      [H_kv, cap, d] generated tokens, the first ``n_gen`` rows are valid
+
+A chunk (``q_len`` > 1: several new tokens read in one pass) has ``G = G_q * q_len`` query rows
+per KV head, row ``g * q_len + t`` being query head ``g`` at position ``t`` of the chunk (the
+order of Hugging Face's ``[heads, q_len]`` queries). Its tokens' own keys are the last ``q_len``
+generated rows, attended causally: position ``t`` sees the generated rows before
+``n_gen - q_len + 1 + t``. ``q_len`` 1 is the decode step (its row sees all ``n_gen``). The torch
+reference masks those rows; Triton runs the chunk as ``q_len`` views of the store, one per
+position with the generated rows it sees, in one :func:`batched_decode_attention` launch.
 """
 
 from __future__ import annotations
@@ -206,8 +214,9 @@ def batched_decode_attention(q, stores: list[RaggedKV], scale=None, backend="aut
 
 
 def ragged_decode_attention(q, keys, values, offsets, lengths, gen_k=None, gen_v=None, n_gen=0,
-                            scale=None, backend="auto", *, max_length=None):
-    """Softmax attention of one decode step over each KV head's ragged rows + generated rows.
+                            scale=None, backend="auto", *, max_length=None, q_len=1):
+    """Softmax attention of one decode step (or a chunk of ``q_len`` new tokens) over each KV
+    head's ragged rows + generated rows.
 
     Parameters
     ----------
@@ -228,16 +237,29 @@ def ragged_decode_attention(q, keys, values, offsets, lengths, gen_k=None, gen_v
     max_length : int, optional
         An upper bound on ``max(lengths)`` known on the host; lets the Triton path size its
         grid without a device sync (rows beyond it would be ignored).
+    q_len : int
+        Positions of a chunk (module docstring): ``G`` holds ``G / q_len`` query heads at each,
+        and the last ``q_len`` generated rows are the chunk's own, attended causally.
 
     Returns
     -------
     Tensor [H_kv, G, d]
         In q's dtype. A head with no rows at all (length 0 and n_gen 0) gets zeros.
     """
-    if resolve_backend(backend, q, keys) == "triton":
+    if resolve_backend(backend, q, keys) != "triton":
+        return ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, scale, q_len)
+    if q_len == 1:
         return _launch(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, scale, max_length=max_length)
-    return ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen,
-                                         scale)
+    check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, q_len)
+    H, rows, d = q.shape
+    if max_length is None:
+        max_length = int(lengths.max()) if H else 0
+    # one view of the store per position, with the generated rows that position sees
+    views = [RaggedKV(keys, values, offsets, lengths, gen_k, gen_v, n_gen - q_len + 1 + t, max_length)
+             for t in range(q_len)]
+    by_position = q.unflatten(1, (rows // q_len, q_len)).permute(2, 0, 1, 3).flatten(0, 1)  # [q_len * H, G, d]
+    out = batched_decode_attention(by_position, views, scale, backend="triton")
+    return out.unflatten(0, (q_len, H)).permute(1, 2, 0, 3).flatten(1, 2)
 
 
 def dense_decode_attention(q, k, v, gen_k=None, gen_v=None, n_gen=0, scale=None, backend="auto"):

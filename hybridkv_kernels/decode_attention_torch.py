@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["batched_decode_attention_torch", "check_ragged", "ragged_decode_attention_torch"]
+__all__ = ["batched_decode_attention_torch", "check_ragged", "chunk_mask", "ragged_decode_attention_torch"]
 
 
-def check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen):
+def check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, q_len=1):
     """Refuse a step whose tensors do not fit the layout (module docstring of ``decode_attention``)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [H_kv, G, d], got {tuple(q.shape)}")
-    H, _, d = q.shape
+    H, G, d = q.shape
+    if q_len < 1 or G % q_len or (q_len > 1 and n_gen < q_len):
+        raise ValueError(f"a chunk of q_len {q_len} needs G a multiple of it (got {G}) and its own {q_len} "
+                         f"generated rows (got {n_gen})")
     if keys.dim() != 2 or keys.shape != values.shape or keys.shape[1] != d:
         raise ValueError(f"keys/values must both be [T, {d}], got {tuple(keys.shape)}, "
                          f"{tuple(values.shape)}")
@@ -34,8 +37,16 @@ def check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen):
                              f"{tuple(gen_k.shape)}, {tuple(gen_v.shape)}")
 
 
+def chunk_mask(rows: int, n_gen: int, q_len: int, device=None) -> torch.Tensor:
+    """[rows, n_gen] bool: True where a query row of a chunk may not look (``decode_attention``'s
+    layout): row ``r`` is position ``t = r % q_len`` of the chunk, whose own rows are the last
+    ``q_len`` generated ones, so it sees the generated rows before ``n_gen - q_len + 1 + t``."""
+    position = torch.arange(rows, device=device) % q_len
+    return torch.arange(n_gen, device=device) >= (n_gen - q_len + 1 + position).unsqueeze(1)
+
+
 def ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k=None, gen_v=None,
-                                  n_gen=0, scale=None):
+                                  n_gen=0, scale=None, q_len=1):
     """Torch reference of :func:`ragged_decode_attention` (the CPU path of one sequence).
 
     Softmax in fp32; the two matmuls run in the input dtype (fp32 accumulation inside the
@@ -48,9 +59,10 @@ def ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k=None,
     copy the whole KV cache each step; the op is bandwidth-bound, so that copy would about
     double its cost. It needs ``lengths``/``offsets`` on the host (one sync on CUDA).
     """
-    check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen)
+    check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, q_len)
     H, G, d = q.shape
     scale = d ** -0.5 if scale is None else float(scale)
+    hidden = chunk_mask(G, n_gen, q_len, q.device) if q_len > 1 else None
     offs = offsets.tolist()
     lens = lengths.tolist()
     out = torch.zeros(H, G, d, dtype=torch.float32, device=q.device)
@@ -67,6 +79,8 @@ def ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k=None,
         qh = q[h].to(keys.dtype)
         # scores of the parts side by side ([G, len] each, small), one softmax over both
         s = torch.cat([(qh @ k.T).float() for k in ks], dim=-1).mul_(scale)
+        if hidden is not None:  # a chunk: each position sees its own and the earlier positions' rows
+            s[:, s.shape[1] - n_gen:].masked_fill_(hidden, float("-inf"))
         p = torch.softmax(s, dim=-1)
         o, start = out[h], 0
         for v in vs:

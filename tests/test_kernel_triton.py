@@ -59,6 +59,24 @@ def test_ragged_decode_attention(dtype, rtol, G, n_gen):
         assert torch.count_nonzero(out[2]) == 0  # empty head -> zeros, not NaN
 
 
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_ragged_decode_attention_of_a_chunk(dtype, rtol):
+    """A chunk (q_len positions, its own generated rows causal) as one batched launch of a view
+    per position, against the torch reference's mask."""
+    d, G, q_len, n_gen = 32, 2, 5, 7
+    keys, values, offsets, lengths = _store(LENGTHS, d, dtype)
+    H = len(LENGTHS)
+    q = torch.randn(H, G * q_len, d).to(dtype).to(DEV)
+    gen_k = torch.randn(H, 9, d).to(dtype).to(DEV)
+    gen_v = torch.randn(H, 9, d).to(dtype).to(DEV)
+    out = hk.ragged_decode_attention(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, backend="triton",
+                                     q_len=q_len)
+    assert out.dtype == dtype and out.shape == (H, G * q_len, d)
+    ref = hk.ragged_decode_attention_torch(*_f32(q, keys, values), offsets, lengths, *_f32(gen_k, gen_v), n_gen,
+                                           q_len=q_len)
+    assert_close(ref, out, rtol, f"{dtype} chunk")
+
+
 def test_ragged_decode_default_heuristics_and_odd_d():
     d, G = 24, 7  # d not a power of two: padded to 32 and masked
     keys, values, offsets, lengths = _store([130, 0, 33], d, torch.float16, seed=1)

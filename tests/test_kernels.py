@@ -86,6 +86,28 @@ def test_ragged_attention_validates_shapes():
                                    n_gen=2)
 
 
+@pytest.mark.parametrize("G,q_len", [(1, 4), (3, 5), (2, 1)])
+def test_ragged_attention_chunk_is_each_position_by_definition(G, q_len):
+    """A chunk of q_len positions (row g * q_len + t): position t attends the prompt rows and the
+    generated rows before n_gen - q_len + 1 + t (its own and the earlier positions')."""
+    d, n_gen = 16, 7
+    lengths = [1, 7, 0, 33]
+    keys, values, offsets, lens = _store(lengths, d, torch.float32)
+    H = len(lengths)
+    q = torch.randn(H, G * q_len, d)
+    gen_k, gen_v = torch.randn(H, 9, d), torch.randn(H, 9, d)
+    out = hk.ragged_decode_attention(q, keys, values, offsets, lens, gen_k, gen_v, n_gen, backend="torch",
+                                     q_len=q_len).unflatten(1, (G, q_len))
+    for t in range(q_len):
+        ref = _attention_by_definition(q.unflatten(1, (G, q_len))[:, :, t], keys, values, offsets, lens, gen_k,
+                                       gen_v, n_gen - q_len + 1 + t, d ** -0.5)
+        assert_close(ref, out[:, :, t], 1e-5)
+    with pytest.raises(ValueError, match="q_len"):  # rows not a multiple of the positions
+        hk.ragged_decode_attention(q[:, :-1], keys, values, offsets, lens, gen_k, gen_v, n_gen, q_len=4)
+    with pytest.raises(ValueError, match="q_len"):  # the chunk's own rows not appended
+        hk.ragged_decode_attention(q, keys, values, offsets, lens, gen_k, gen_v, 3, q_len=4)
+
+
 def _stores(shapes, d, n_gen_of, seed):
     """RaggedKVs of ``shapes`` (head lengths each), with 8 generated rows of which ``n_gen_of(i)`` count."""
     out = []
