@@ -70,7 +70,9 @@ class BiasedKV(LayerKV):
             self.values[h] = torch.cat([self.values[h], value[h]])
             self.bias[h] = torch.cat([self.bias[h], self.bias[h].new_zeros(1)])
 
-    def attend(self, query, scale):
+    def attend(self, query, scale, q_len=1):
+        if q_len != 1:
+            raise NotImplementedError("the bounds read a question in the prompt, one token a step after it")
         # in fp32 whatever the model's dtype (a bf16 run's logits plus the fp32 bias)
         return torch.stack([torch.softmax(q.float() @ k.float().T * scale + b, -1) @ v.float()
                             for q, k, v, b in zip(query, self.keys, self.values, self.bias)]).to(query.dtype)
@@ -123,7 +125,7 @@ class StepTopKV(BiasedKV):
         super().__init__(list(keys), list(values), [keys.new_zeros(keys.shape[1])] * keys.shape[0])
         self.rank, self.keep, self.window, self.chunk, self.prompt = rank, keep, window, chunk, keys.shape[1]
 
-    def attend(self, query, scale):
+    def attend(self, query, scale, q_len=1):
         n, w = self.prompt, min(self.window, self.prompt)
         best = self.rank(query).amax(dim=1)[:, : n - w]  # [H, prompt before the window]
         chunks = best.shape[1] // self.chunk
@@ -134,7 +136,7 @@ class StepTopKV(BiasedKV):
         rows = (top[:, :, None] * self.chunk + torch.arange(self.chunk)).flatten(1)
         masked.scatter_(1, rows, 0.0)
         self.bias = [torch.cat([m, b[n:]]) for m, b in zip(masked, self.bias)]
-        return super().attend(query, scale)
+        return super().attend(query, scale, q_len)
 
 
 @dataclass

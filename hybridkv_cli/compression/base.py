@@ -81,25 +81,38 @@ class LayerKV:
         """Do this step's work for ``query`` [H_kv, G, d]; return the rows the step attends."""
         raise NotImplementedError
 
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Decode attention of ``query`` [H_kv, G, d] (one sequence)."""
+    def attend(self, query: torch.Tensor, scale: float, q_len: int = 1) -> torch.Tensor:
+        """Attention of one sequence's ``query`` [H_kv, G, d]: a decode step (``q_len`` 1), or a
+        chunk of ``q_len`` new tokens read in one pass (``G`` = query heads x ``q_len``, row
+        ``g * q_len + t`` at position ``t``; their rows appended already, :meth:`append`).
+
+        The step's work (retrieval, refresh, :meth:`segments`) runs once, with the chunk's queries
+        as one query group: what they select is ranked by the best of them, as a step's ``G``
+        query heads are ranked (so a question's words, not only its last token, choose what is
+        retrieved); every position then attends it and the chunk's rows up to its own
+        (``ragged_decode_attention``'s ``q_len``). Ranking by the last query alone lost both
+        needle questions of ``sample_media/questions.jsonl`` on the demo at b = 0.05 and 0.1,
+        which this ranking and the former token-by-token reading answer.
+        """
         if self.dynamic is not None:
             self.dynamic.refresh(query, self.store)
         if self.refresher is not None:
             self.refresher.refresh(query, self.store, scale)
         kv = self.segments(query, scale)
-        return ragged_decode_attention(query, *kv[:7], scale=scale, max_length=kv.max_length)
+        return ragged_decode_attention(query, *kv[:7], scale=scale, max_length=kv.max_length, q_len=q_len)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append one generated token per head (``key``/``value`` [H_kv, 1, d])."""
-        rows_k, rows_v = self.next_rows()
-        rows_k.copy_(key[:, 0])
-        rows_v.copy_(value[:, 0])
+        """Append the new tokens of every head (``key``/``value`` [H_kv, n, d]: a step's one, a
+        chunk's ``n``) as generated rows."""
+        rows_k, rows_v = self.next_rows(key.shape[1])
+        rows_k.copy_(key)
+        rows_v.copy_(value)
 
-    def next_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows ([H_kv, d] keys and values) the next generated token goes to, counted as
-        written from now on (a single run; a batch writes at its device counts, see :meth:`advance`)."""
-        return self.store.next_rows()
+    def next_rows(self, count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ([H_kv, count, d] keys and values) the next ``count`` generated tokens go to,
+        counted as written from now on (a single run; a batch writes at its device counts, see
+        :meth:`advance`)."""
+        return self.store.next_rows(count)
 
     #: Whether a decode step of this layer repeats the same device work every step, on tensors
     #: that stay put (no per-step host work in :meth:`segments`, retrieval by the table kernels):

@@ -69,7 +69,9 @@ class BatchedKV:
         self.index, self.batch = index, batch
         self.plan = None  # (retrieval table or None, segment table) of the current members
 
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, scale: float, q_len: int = 1) -> torch.Tensor:
+        if q_len != 1:
+            raise RuntimeError("a batch step feeds each member one token (a suffix is read before it joins)")
         batch = self.batch
         layers = [cache.layers[self.index].kv for cache in batch.members]
         queries = query.split(query.shape[0] // len(layers))

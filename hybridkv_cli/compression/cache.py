@@ -48,9 +48,7 @@ class PolicyLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.seen += key_states.shape[-2]
-        if self.kv is not None:
-            if key_states.shape[-2] != 1:
-                raise RuntimeError("a compressed cache takes one new token per step")
+        if self.kv is not None:  # a step's new token, or a chunk's tokens: generated rows
             self.kv.append(key_states[0], value_states[0])
         return key_states, value_states
 
@@ -74,17 +72,19 @@ class AttendingCache(Cache):
 
     def attention(self, module, query, key, value, attention_mask, scaling, dropout, kwargs):
         """Layer ``module.layer_idx``'s attention output: at prefill stock SDPA over the full
-        prompt, then the layer compressed; at a decode step the compressed layer's attention."""
+        prompt, then the layer compressed; once compressed, the compressed layer's attention of
+        a decode step (``q_len`` 1, each member of a batch) or of a chunk of new tokens read in
+        one pass (``q_len`` > 1, one sequence: :meth:`LayerKV.attend`)."""
         layer = self.layers[module.layer_idx]
         if layer.kv is None:
             out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                          **kwargs)
             self.compress_layer(module.layer_idx, query, key, value, scaling)
             return out
-        batch, q_heads, q_len, dim = query.shape  # q_len 1: a decode step (of each member of a batch)
-        grouped = query[:, :, 0].reshape(batch * key.shape[1], -1, dim)
-        out = layer.kv.attend(grouped, scaling)
-        return out.reshape(batch, q_len, q_heads, dim), None
+        batch, q_heads, q_len, dim = query.shape
+        grouped = query.reshape(batch * key.shape[1], -1, dim)  # [B * H_kv, G * q_len, d], row g * q_len + t
+        out = layer.kv.attend(grouped, scaling, q_len)
+        return out.reshape(batch, q_heads, q_len, dim).transpose(1, 2), None
 
     def update(self, key_states, value_states, layer_idx: int, *args, kwargs: dict | None = None, **rest):
         """Cache the new keys and values; hand this cache to the attention call that follows

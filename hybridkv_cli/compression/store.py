@@ -111,11 +111,11 @@ class RaggedStore(LayerKV):
             raise RuntimeError("a batch member's generated rows are allocated when it joins: none is left")
         self.n_gen += 1
 
-    def next_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.n_gen == self.gen_k.shape[1]:
-            self.reserve(GEN_BLOCK)
-        self.n_gen += 1
-        return self.gen_k[:, self.n_gen - 1], self.gen_v[:, self.n_gen - 1]
+    def next_rows(self, count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.n_gen + count > self.gen_k.shape[1]:
+            self.reserve(max(count, GEN_BLOCK))
+        self.n_gen += count
+        return self.gen_k[:, self.n_gen - count:self.n_gen], self.gen_v[:, self.n_gen - count:self.n_gen]
 
     def segments(self, query: torch.Tensor | None = None, scale: float | None = None) -> RaggedKV:
         """Every head's entries and the generated tokens (a store does no work of its own per step)."""

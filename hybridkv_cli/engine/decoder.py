@@ -2,13 +2,15 @@
 
 A member joins with a job (:class:`~hybridkv_cli.engine.jobs.Job`): the cache of its prefix
 (the prefix's own, or a copy) and its suffix, the prompt tokens after the prefix (a question
-read after compression, or nothing). A batch step feeds every member's next token through the
-model at once (``[B, 1]`` ids, each at its own position); each layer's attention reads all the
-members' stores in one launch (:class:`~hybridkv_cli.compression.batch_cache.BatchCache`). A member
-still in its suffix is fed its next suffix token -- chosen on the device from a table of the
-members' suffixes, so the step reads nothing back for it -- and the others the token the model's
-own logits processors and greedy choice give. A member that finishes (the model's end of
-sequence, or ``max_new_tokens``) leaves at once and its store goes with it.
+read after compression, or nothing). When it starts, its suffix goes through its compressed
+cache in one forward pass (a chunk of ``len(suffix)`` queries, :meth:`LayerKV.attend`), whose
+last logits give its first token; so it joins the batch with that token, as a member with no
+suffix joins with the token of its prefix's logits. A batch step feeds every member's next
+token through the model at once (``[B, 1]`` ids, each at its own position); each layer's
+attention reads all the members' stores in one launch
+(:class:`~hybridkv_cli.compression.batch_cache.BatchCache`). The tokens are the model's own
+logits processors' and greedy choice. A member that finishes (the model's end of sequence, or
+``max_new_tokens``) leaves at once and its store goes with it.
 
 A batch of one is a plain question; the tokens do not depend on the batch (tested for every
 method).
@@ -38,8 +40,6 @@ class Member:
     meter: Meter
     processors: Any  # the model's logits processors (an empty list for most models)
     ids: torch.Tensor | None  # [1, L] every token fed so far, kept only for processors to read
-    pending: list[int]  # suffix tokens still to feed after the one fed now
-    in_suffix: bool  # the token fed now is a suffix token (its output is not an answer token)
     bytes: int  # device KV, measured when it joined and when its generated rows grow
     joined: int  # the batch step it joined at
     tokens: list[int] = field(default_factory=list)
@@ -71,7 +71,6 @@ class Decoder:
         self.feed = torch.empty(0, 1, dtype=torch.long, device=self.device)  # [B, 1] next tokens
         self.position = torch.empty(self.rows, 0, 1, dtype=torch.long, device=self.device)  # [R, B, 1]
         self.logits = None  # [B, V] fp32: the step's output
-        self.script = None  # (tokens [B, W], lengths [B], cursor [B]) of the suffixes still to feed
         self.config, _ = model._prepare_generation_config(None, max_new_tokens=max_new_tokens, do_sample=False)
         eos = self.config.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
@@ -85,44 +84,55 @@ class Decoder:
         return len(tokens) >= (limit or self.max_new_tokens) or (bool(tokens) and tokens[-1] in self.eos)
 
     def start(self, job) -> Member:
-        """``job``'s member (its prefix prefilled now if it has none yet), its first token chosen
-        when its suffix is empty (it joins the batch with :meth:`join` unless that token already
-        finished it)."""
+        """``job``'s member (its prefix prefilled now if it has none yet) with its first token:
+        its suffix read through its cache in one pass (:meth:`read`), or its prefix's logits. It
+        joins the batch with :meth:`join` unless that token already finished it."""
         if job.prefix is None:
             job.prefix = job.prefill()
         prefix, suffix = job.prefix, list(job.suffix)
         cache, meter = prefix.take(self.device)
-        # every token fed from now on, or (as a store grows by itself) the first block of them
-        cache.reserve(len(suffix) + self.limit(job) - 1 if self.allocate_all else GEN_BLOCK)
+        # the suffix's rows and every answer token's fed after it, or (as a store grows by itself) a first block
+        cache.reserve(len(suffix) + (self.limit(job) - 1 if self.allocate_all else GEN_BLOCK))
         ids = torch.cat([prefix.tokens["input_ids"].to(self.device),
                          torch.tensor([suffix], dtype=torch.long, device=self.device)], dim=1)
         processors = self.model._get_logits_processor(
             generation_config=self.config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
             device=self.device, model_kwargs={})
-        member = Member(job, cache, meter, processors, None, suffix[1:], bool(suffix), cache.device_bytes(),
-                        self.steps)
         if suffix:
-            member.ids = ids[:, :prefix.seen + 1] if processors else None
-            return member
-        if prefix.logits is None:
+            logits = self.read(cache, suffix, prefix.rope_deltas)
+        elif prefix.logits is None:
             raise RuntimeError("a prefix read from a file needs a question to decode")
-        logits = prefix.logits.to(self.device)
+        else:
+            logits = prefix.logits.to(self.device)
         first = int((processors(ids, logits) if processors else logits).argmax(dim=-1))
-        member.tokens.append(first)
         meter.token()
-        member.ids = torch.cat([ids, ids.new_tensor([[first]])], dim=1) if processors else None
-        return member
+        ids = torch.cat([ids, ids.new_tensor([[first]])], dim=1) if processors else None
+        return Member(job, cache, meter, processors, ids, bytes=cache.device_bytes(), joined=self.steps, tokens=[first])
+
+    def read(self, cache: PolicyCache, tokens: list[int], rope: torch.Tensor | None) -> torch.Tensor:
+        """``tokens`` through ``cache`` in one forward pass, each layer attending them as one
+        chunk over its compressed KV (their own rows appended, causally); the [1, V] fp32 logits
+        after the last."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        position = self._positions(cache.get_seq_length(), len(tokens), rope)  # [R, 1, n]
+        with torch.inference_mode(), policy_attention(self.model):
+            out = self.model(input_ids=ids, position_ids=position if self.rows > 1 else position[0],
+                             cache_position=position[0, 0], cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def _positions(self, seen: int, count: int, rope: torch.Tensor | None) -> torch.Tensor:
+        """[R, 1, count] positions of ``count`` tokens fed after ``seen``: the text position,
+        then (mRoPE) the 3 rotary ones, offset by the prefix's ``rope`` deltas."""
+        delta = int(rope.flatten()[0]) if rope is not None else 0
+        text = torch.arange(seen, seen + count, device=self.device)
+        return torch.stack([text] + [text + delta] * (self.rows - 1)).unsqueeze(1)
 
     def join(self, member: Member) -> None:
         """Add a started member to the batch: it decodes from the next step on."""
-        seen = member.cache.get_seq_length()  # the position of the token fed next
-        rope = member.job.prefix.rope_deltas
-        delta = int(rope.flatten()[0]) if rope is not None else 0
-        token = member.job.suffix[0] if member.in_suffix else member.tokens[-1]
-        position = torch.tensor([seen] + [seen + delta] * (self.rows - 1), device=self.device).view(self.rows, 1, 1)
+        position = self._positions(member.cache.get_seq_length(), 1, member.job.prefix.rope_deltas)
         self.members.append(member)
         self.cache.join(member.cache)
-        self.feed = torch.cat([self.feed, torch.tensor([[token]], device=self.device)])
+        self.feed = torch.cat([self.feed, torch.tensor([[member.tokens[-1]]], device=self.device)])
         self.position = torch.cat([self.position, position], dim=1)
         self._changed()
 
@@ -132,17 +142,6 @@ class Decoder:
     def _changed(self) -> None:
         self.logits = None
         self.replay.reset()
-        scripts = [m.pending for m in self.members]
-        width = max(map(len, scripts), default=0)
-        if not width:
-            self.script = None
-            return
-        table = torch.zeros(len(scripts), width, dtype=torch.long)
-        for b, tokens in enumerate(scripts):
-            table[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        lengths = torch.tensor(list(map(len, scripts)))
-        self.script = (table.to(self.device), lengths.to(self.device),
-                       torch.zeros(len(scripts), dtype=torch.long, device=self.device))
 
     def _device_step(self) -> None:
         """The step's device work: append and attend every member's fed token, the logits into
@@ -154,16 +153,6 @@ class Decoder:
             self.logits = torch.empty(out.logits.shape[0], out.logits.shape[-1], dtype=torch.float32,
                                       device=out.logits.device)
         self.logits.copy_(out.logits[:, -1])
-
-    def _next_feed(self, logits: torch.Tensor) -> None:
-        """The tokens fed next, in place: each member's next suffix token, else its greedy choice."""
-        chosen = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
-        if self.script is not None:
-            table, lengths, cursor = self.script
-            scripted = table.gather(1, cursor.clamp(max=table.shape[1] - 1).unsqueeze(1))
-            chosen = torch.where((cursor < lengths).unsqueeze(1), scripted, chosen)
-            cursor.add_(1)
-        self.feed.copy_(chosen)
 
     def step(self) -> list[Member]:
         """One token for every member; returns (and drops) the members that finished."""
@@ -182,7 +171,7 @@ class Decoder:
             if any(m.processors for m in members):
                 logits = torch.cat([m.processors(m.ids, logits[b:b + 1]) if m.processors else logits[b:b + 1]
                                     for b, m in enumerate(members)])
-            self._next_feed(logits)
+            self.feed.copy_(logits.argmax(dim=-1, keepdim=True))  # the tokens fed next, in place
             self.position.add_(1)
         tokens = self.feed.flatten().tolist()  # the step's one read on the host: who has finished
         at = now(self.device)
@@ -195,10 +184,6 @@ class Decoder:
             m.replayed += self.replay.replays - replays
             if m.ids is not None:
                 m.ids = torch.cat([m.ids, self.feed[b:b + 1]], dim=1)
-            if m.in_suffix and m.pending:
-                m.pending.pop(0)  # the step fed a suffix token: the next one is fed now
-                continue
-            m.in_suffix = False
             m.tokens.append(token)
             m.meter.token(at, at - start)
             if self.finished(m.tokens, self.limit(m.job)):

@@ -1,0 +1,91 @@
+"""A suffix (a question read after compression) goes through a compressed cache as one chunk.
+
+At the layer: the step's work runs once, with the chunk's queries as one query group, so a
+chunk's last position attends what a decode step of that group attends, for every method; with no
+per-step work every position is the step of its own token. In the engine: the suffix costs one forward pass, its
+first answer token comes from it (the time to it is the record's ``prefill_s``), and at b = 1 it
+gives full's tokens (``tests/test_methods.py``, every method and model family).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridkv_cli.compression import METHODS, make_policy
+from hybridkv_cli.compression.base import PrefillLayer
+from hybridkv_cli.engine import generate
+from hybridkv_cli.models.prompt import build_prompt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from demo_fixtures import cached_demo, demo, video  # noqa: E402,F401 - fixtures
+from method_options import needed  # noqa: E402
+
+HEADS, GROUP, DIM, N, CHUNK = 2, 3, 16, 256, 5
+CASES = {name: (name, {**needed(name), **({} if name == "full" else {"budget": 0.2})}) for name in sorted(METHODS)}
+CASES["hybridkv, dynamic heads"] = ("hybridkv", {"budget": 0.2, "theta": 1.0})
+
+
+def compressed(name: str, options: dict):
+    g = torch.Generator().manual_seed(0)
+    visual = torch.zeros(N, dtype=torch.bool)
+    visual[4:N - 16] = True
+    layer = PrefillLayer(index=0, num_layers=2, query=torch.randn(HEADS, GROUP, N, DIM, generator=g),
+                         keys=torch.randn(HEADS, N, DIM, generator=g), values=torch.randn(HEADS, N, DIM, generator=g),
+                         visual=visual, scale=DIM ** -0.5)
+    return make_policy(name, **options).compress(layer).kv, layer.scale
+
+
+def chunk(seed: int = 1):
+    """A chunk's queries [H, G * CHUNK, d] (row g * CHUNK + t) and its keys and values [H, CHUNK, d]."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(HEADS, n, DIM, generator=g) for n in (GROUP * CHUNK, CHUNK, CHUNK)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_chunks_last_position_is_a_decode_step_of_its_queries_as_one_group(case):
+    kv, scale = compressed(*CASES[case])
+    step = copy.deepcopy(kv)
+    q, k, v = chunk()
+    kv.append(k, v)
+    out = kv.attend(q, scale, CHUNK).unflatten(1, (GROUP, CHUNK))
+    step.append(k, v)
+    group = step.attend(q, scale).unflatten(1, (GROUP, CHUNK))  # every row sees every generated row
+    torch.testing.assert_close(out[:, :, -1], group[:, :, -1], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out[:, :, 0], group[:, :, 0])  # the first position does not see the later ones
+    assert kv.store.n_gen == CHUNK and torch.equal(kv.store.gen_k[:, :CHUNK], k)
+
+
+@pytest.mark.parametrize("case", ["full", "snapkv", "streamingllm"])
+def test_without_step_work_every_position_is_the_step_of_its_own_token(case):
+    """Causal within the chunk: position t sees the kept prompt entries and the chunk's tokens up to t."""
+    kv, scale = compressed(*CASES[case])
+    steps = copy.deepcopy(kv)
+    q, k, v = chunk(2)
+    kv.append(k, v)
+    out = kv.attend(q, scale, CHUNK).unflatten(1, (GROUP, CHUNK))
+    for t in range(CHUNK):
+        steps.append(k[:, t:t + 1], v[:, t:t + 1])
+        one = steps.attend(q.unflatten(1, (GROUP, CHUNK))[:, :, t], scale)
+        torch.testing.assert_close(out[:, :, t], one, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["hybridkv", "snapkv"])
+def test_a_deferred_question_is_one_forward_pass_and_its_first_token_comes_from_it(demo, video, method):
+    prompt = build_prompt(demo.processor, video, "What colour is the square?")
+    suffix = prompt.length - prompt.question_start
+    calls = []
+    hook = demo.model.register_forward_hook(lambda module, args, kwargs, out: calls.append(
+        kwargs["input_ids"].shape[1] if kwargs.get("input_ids") is not None else args[0].shape[1]), with_kwargs=True)
+    try:
+        run = generate(demo.model, prompt, make_policy(method, budget=0.1), max_new_tokens=6, defer_question=True)
+    finally:
+        hook.remove()
+    # the media prefilled, the question and template tail in one pass, then one step per later token
+    assert suffix > 10 and calls == [prompt.question_start, suffix] + [1] * (len(run.tokens) - 1)
+    assert len(run.step_s) == len(run.tokens) - 1 and run.prefill_s > 0
+    assert run.cache.get_seq_length() == prompt.length + len(run.tokens) - 1
