@@ -189,7 +189,7 @@ def test_budget_one_reproduces_full(models, prompts, reference, name, kind):
 @pytest.mark.parametrize("kind", ["video", "llama", *FAMILY_VIDEOS])
 @pytest.mark.parametrize("name", NAMES)
 def test_question_after_compression_at_budget_one_reproduces_full(models, prompts, reference, name, kind):
-    # the question goes through the compressed cache one token per step: same tokens as full
+    # the question goes through the compressed cache in one forward pass: same tokens as full
     prompt = prompts[kind]
     run = generate(models[kind].model, prompt, make_policy(name, budget=1.0, **needed(name)), max_new_tokens=NEW_TOKENS,
                    defer_question=True)
