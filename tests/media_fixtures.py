@@ -78,3 +78,16 @@ def make_image(path: Path, w: int = 40, h: int = 30, color=(200, 30, 30), mode: 
         img = img.convert(mode)
     img.save(path, **save_kw)
     return Path(path)
+
+
+def set_mkv_duration(path: Path, seconds: float, out: Path) -> Path:
+    """A copy of the Matroska file ``path`` whose Segment Duration element (ms, float) says
+    ``seconds``: a container that lies about its length while its stream stays the same."""
+    import struct
+
+    data = bytearray(Path(path).read_bytes())
+    i = data.find(b"\x44\x89")  # the Duration element's ID, followed by its size and a float
+    size = {0x88: 8, 0x84: 4}[data[i + 2]]
+    data[i + 3:i + 3 + size] = struct.pack(">d" if size == 8 else ">f", seconds * 1000.0)
+    Path(out).write_bytes(bytes(data))
+    return Path(out)
