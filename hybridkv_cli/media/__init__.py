@@ -18,7 +18,8 @@
 
 One job per module: :mod:`.paths` (path checks, the directory scan, labels), :mod:`.sniff`
 (file checks, content sniffing), :mod:`.geometry` (Qwen's sizes), :mod:`.images` (image
-decoding), :mod:`.probe`, :mod:`.decoders` and :mod:`.video` (video decoding).
+decoding), :mod:`.probe`, :mod:`.decoders` and :mod:`.video` (video decoding), :mod:`.frame_stream`
+(a long video read chunk by chunk: :func:`open_video_stream`).
 
 Every failure is a :class:`~hybridkv_cli.io.errors.MediaError` (exit 1) or, for bad arguments, a
 :class:`~hybridkv_cli.io.errors.UsageError` (exit 2), one line naming the path as the user typed it.
@@ -36,6 +37,7 @@ import numpy as np
 
 from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.media.animation import is_animation, load_animation
+from hybridkv_cli.media.frame_stream import VideoStream, open_video_stream
 from hybridkv_cli.media.geometry import check_pixel_arg, pixel_bounds, target_size
 from hybridkv_cli.media.images import load_image
 from hybridkv_cli.media.input import MediaInput
@@ -51,9 +53,11 @@ __all__ = [
     "ExpandedInputs",
     "MediaInput",
     "MediaWarning",
+    "VideoStream",
     "expand_inputs",
     "load_media",
     "media_in_directory",
+    "open_video_stream",
     "pixel_bounds",
     "set_label",
     "target_size",
