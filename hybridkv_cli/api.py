@@ -7,6 +7,7 @@ the same prompt building, context check, generation and record as ``hybridkv ask
 from __future__ import annotations
 
 from hybridkv_cli.compression import Policy, make_policy
+from hybridkv_cli.engine.stream import Streaming
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.models.loaded import LoadedModel
 from hybridkv_cli.runs.session import AskOptions, Session
@@ -21,6 +22,7 @@ def ask(
     method: str | Policy = "hybridkv",
     max_new_tokens: int = 128,
     defer_question: bool = False,
+    streaming: Streaming = Streaming(),
     **options,
 ) -> dict:
     """Answer ``question`` about ``media``, or about the text ``context`` when ``media`` is None,
@@ -37,6 +39,9 @@ def ask(
         A registered method name or a ready policy.
     defer_question : bool
         Compress the cache before the question is read (see :func:`hybridkv_cli.engine.jobs.prompt_job`).
+    streaming : Streaming
+        When and how a long prompt is prefilled in chunks (:mod:`hybridkv_cli.engine.stream`;
+        default: a prompt longer than 16k tokens).
     **options
         The method's parameters (``budget``, ``window``, ``theta``, ...); one the method does not
         take raises :class:`~hybridkv_cli.io.errors.UsageError`.
@@ -47,6 +52,6 @@ def ask(
         The result record documented in README ("JSON output").
     """
     policy = method if isinstance(method, Policy) else make_policy(method, **options)
-    session = Session(AskOptions(model=loaded.name, max_new_tokens=max_new_tokens, defer_question=defer_question),
-                      loaded=loaded)
+    session = Session(AskOptions(model=loaded.name, max_new_tokens=max_new_tokens, defer_question=defer_question,
+                                 streaming=streaming), loaded=loaded)
     return session.run(session.prepare(media, question, context=context), policy)

@@ -27,6 +27,7 @@ SCHEMA = {
     "input": {"kind": str, "label": str, "files": list, "frames_total": (int, type(None)), "frames_used": int,
               "frame_size": (list, type(None)), "visual_tokens": int, "text_tokens": int},
     "question": str, "answer": str, "method": str, "budget": float, "defer_question": bool, "prefill_s": float,
+    "streamed": (dict, type(None)),
     "decode": {"tokens": int, "ms_per_token_mean": (float, type(None)), "p50": (float, type(None)),
                "p90": (float, type(None))},
     "kv": {"device_bytes": int, "device_bytes_after_prefill": int, "host_bytes": int, "full_bytes": int,

@@ -66,3 +66,16 @@ def test_hybridkv_low_budget_keeps_its_memory_bound(smollm2, context):
     assert result["kv"]["device_bytes_after_prefill"] <= 0.13 * result["kv"]["full_bytes"]
     heads = result["heads"]
     assert heads["static"] + heads["dynamic"] == 30 * 3
+
+
+@pytest.mark.parametrize("method", ["full", "hybridkv"])
+def test_a_streamed_prefill_at_budget_one_gives_the_one_pass_tokens(smollm2, context, full, method):
+    """Read in chunks of 128 tokens (each attending everything before it), the prompt gives the
+    tokens of one pass: positions and attention carry across chunks on a real model."""
+    from hybridkv_cli.api import ask
+    from hybridkv_cli.engine.stream import Streaming
+
+    result = ask(smollm2, None, QUESTION, context=context, method=method, budget=1.0, max_new_tokens=10,
+                 streaming=Streaming("on", chunk=128, window=1 << 20))
+    assert result["answer"] == full["answer"]
+    assert result["streamed"]["chunks"] >= 5 and full["streamed"] is None

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from hybridkv_cli.commands.options import (ALL_OPTIONS, DEBUG, DEVICE, DTYPE, EACH, FPS, FRAMES, MAX_PIXELS, MODEL,
-                                           QUIET, method_options)
+                                           QUIET, STREAM, STREAM_CHUNK, STREAM_WINDOW, method_options, streaming)
 from hybridkv_cli.io.console import err, print_warning, status
 
 
@@ -25,6 +25,7 @@ def compress(
                                "sizes, or its error)."),
     resume: bool = typer.Option(False, "--resume", help="Skip inputs whose cache file already holds this "
                                 "cache (another model, method or options: compressed again)."),
+    stream: str = STREAM, stream_chunk: int = STREAM_CHUNK, stream_window: int = STREAM_WINDOW,
     quiet: bool = QUIET, debug: bool = DEBUG, options=None,
 ):
     from hybridkv_cli.runs.inputs import plan_inputs
@@ -32,7 +33,8 @@ def compress(
     from hybridkv_cli.runs.session import AskOptions, Session
 
     session = Session(AskOptions(model=model, device=device, dtype=dtype, method=method, method_options=options,
-                                 frames=frames, fps=fps, max_pixels=max_pixels, defer_question=True),
+                                 frames=frames, fps=fps, max_pixels=max_pixels, defer_question=True,
+                                 streaming=streaming(stream, stream_chunk, stream_window)),
                       stage=status(quiet))
     items = plan_inputs(list(args), each=each, stdin=sys.stdin)
     if not items:

@@ -64,6 +64,12 @@ FPS = typer.Option(None, help="Sample frames at this rate instead of --frames.")
 DEFER = typer.Option(False, "--defer-question", help="Compress the cache before the question is read; the "
                      "question then goes through the compressed cache (as a later question about an "
                      "already-compressed video would).")
+STREAM = typer.Option("auto", "--stream", help="Prefill in chunks, each layer keeping a bounded working set "
+                      "on the device while it reads: auto (a prompt longer than --stream-window tokens) | on | off.")
+STREAM_CHUNK = typer.Option(2048, "--stream-chunk", help="Streamed prefill: tokens read per chunk (cut between "
+                            "frames, never inside an image or a 2-frame group).")
+STREAM_WINDOW = typer.Option(16384, "--stream-window", help="Streamed prefill: earlier tokens each layer attends to "
+                             "while reading (the rest wait in host memory for the compression).")
 MAX_PIXELS = typer.Option(None, help="Max pixels per frame/image (resized by Qwen2.5-VL's rules).")
 DEVICE = typer.Option("auto", help="auto | cuda | cpu")
 DTYPE = typer.Option("auto", help="auto | bfloat16 | float16 | float32")
@@ -225,3 +231,10 @@ def parse_size(text: str, flag: str) -> int:
     if size < 1:
         raise UsageError(f"'{text}' is less than one byte", flag)
     return int(size)
+
+
+def streaming(mode: str, chunk: int, window: int):
+    """The streaming options (a usage error names a bad one)."""
+    from hybridkv_cli.engine.stream import Streaming
+
+    return Streaming(mode, chunk, window)

@@ -34,6 +34,9 @@ class PrefillLayer:
     run : dict
         Scratch space shared by the layers of one generation (e.g. a refresh controller whose
         threshold all layers update); a fresh dict per generation.
+    device : torch.device, optional
+        Where the layer will be decoded, when its KV sits elsewhere (a streamed prefill
+        compresses in host memory for a GPU); None: where ``keys`` are.
     """
 
     index: int
@@ -44,6 +47,12 @@ class PrefillLayer:
     visual: torch.Tensor
     scale: float
     run: dict = dataclasses.field(default_factory=dict)
+    device: torch.device | None = None
+
+    @property
+    def decode_device(self) -> torch.device:
+        """The device the layer is decoded on (its profile prices the indexes)."""
+        return self.device or self.keys.device
 
     @property
     def num_heads(self) -> int:

@@ -113,9 +113,11 @@ class PolicyCache(AttendingCache):
         self.reports: dict[int, object] = {}  # the policy's report of each compressed layer
         self.prefill_peak_bytes = 0
         self.compress_seconds = 0.0  # classification, allocation, pruning, offload: all of compress()
+        self.streamed: dict | None = None  # how a streamed prefill read the prompt (None: in one pass)
 
-    def compress_layer(self, index: int, query, key, value, scale: float) -> None:
-        """Replace layer ``index``'s full prompt KV by the policy's compressed form."""
+    def compress_layer(self, index: int, query, key, value, scale: float, device: torch.device | None = None) -> None:
+        """Replace layer ``index``'s full prompt KV by the policy's compressed form (``device``:
+        where it will be decoded, when the KV is elsewhere)."""
         start = time.perf_counter()
         full_bytes = tensor_bytes(key, value)
         heads = key.shape[1]
@@ -128,6 +130,7 @@ class PolicyCache(AttendingCache):
             visual=self.visual.to(key.device),
             scale=scale,
             run=self.run,
+            device=device,
         )
         self.layers[index].kv, self.reports[index] = self.policy.compress(prefill)
         # Peak while prefilling: this layer's full KV beside the layers compressed before it.

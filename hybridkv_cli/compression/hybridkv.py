@@ -221,7 +221,7 @@ class HybridKV(RefreshPolicy):
         attn, pooled = window_scores(layer.window_query(min(self.window, n)), layer.keys, scale=layer.scale)
         static, sparsity = classify_static(attn, self.theta, self.sparsity_topk, self.sink_aware)
         landmark, reason = self.landmark_for(budget, layer.keys.element_size(), n, layer.num_heads,
-                                             layer.keys.shape[-1], layer.keys.device)
+                                             layer.keys.shape[-1], layer.decode_device)
         if budget.full:  # every head keeps the whole prompt on the device: nothing to retrieve or refresh
             static = torch.ones_like(static)
         elif every_head_dynamic(budget.fraction, layer.keys.element_size()):

@@ -20,34 +20,38 @@ BLOCK_ELEMENTS = 1 << 24
 def cumulative_attention(
     query: torch.Tensor, keys: torch.Tensor, scale: float, block_elements: int = BLOCK_ELEMENTS
 ) -> torch.Tensor:
-    """H2O score: attention each key receives from every prompt query, summed over the queries.
+    """H2O score: attention each key receives from the prompt's queries, summed over the queries.
 
     ``out[h, j]`` = sum over query positions i >= j of the causal softmax probability of key j,
-    averaged over the G query heads of KV head h. Queries are processed in blocks so the
-    transient scores stay within ``block_elements`` fp32 values (N can be 5k+).
+    averaged over the G query heads of KV head h. The queries are the prompt's last T positions
+    (T = N in a one-pass prefill; a streamed prefill keeps only its last chunk's). Queries are
+    processed in blocks so the transient scores stay within ``block_elements`` fp32 values (N
+    can be 5k+).
 
     Parameters
     ----------
-    query : Tensor [H, G, N, d]
-    keys : Tensor [H, N, d]
+    query : Tensor [H, G, T, d]
+    keys : Tensor [H, N, d], N >= T
 
     Returns
     -------
     Tensor [H, N] fp32
     """
-    heads, group, n, dim = query.shape
+    heads, group, t, dim = query.shape
+    n = keys.shape[1]
+    offset = n - t  # the position of the first query
     block = max(1, block_elements // (heads * group * n))
     k = keys.float()
     out = torch.zeros(heads, n, dtype=torch.float32, device=keys.device)
-    for start in range(0, n, block):
-        end = min(n, start + block)
-        size = end - start
-        # Queries start..end-1 see keys 0..end-1; only the last `size` columns can be masked.
-        s = torch.bmm(query[:, :, start:end].float().reshape(heads, group * size, dim), k[:, :end].transpose(1, 2))
-        s = s.view(heads, group, size, end)
+    for start in range(0, t, block):
+        end = min(t, start + block)
+        size, seen = end - start, offset + end
+        # Queries start..end-1 see keys 0..seen-1; only the last `size` columns can be masked.
+        s = torch.bmm(query[:, :, start:end].float().reshape(heads, group * size, dim), k[:, :seen].transpose(1, 2))
+        s = s.view(heads, group, size, seen)
         causal = torch.ones(size, size, dtype=torch.bool, device=keys.device).triu_(1)
-        s[..., start:].masked_fill_(causal, float("-inf"))
-        out[:, :end] += torch.softmax(s.mul_(scale), dim=-1).sum(dim=2).mean(dim=1)
+        s[..., offset + start:].masked_fill_(causal, float("-inf"))
+        out[:, :seen] += torch.softmax(s.mul_(scale), dim=-1).sum(dim=2).mean(dim=1)
     return out
 
 

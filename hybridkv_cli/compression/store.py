@@ -26,9 +26,11 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous host copy of ``tensor``, pinned when it comes from CUDA (so copies back to
-    the device can be asynchronous and a kernel can read it in place)."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    """A contiguous host copy of ``tensor``, pinned when it comes from CUDA or is compressed in
+    host memory for a GPU (a streamed prefill's), so copies back to the device can be
+    asynchronous and a kernel can read it in place."""
+    pinned = tensor.is_cuda or (tensor.device.type == "cpu" and torch.cuda.is_available())
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
     return host.copy_(tensor)
 
 

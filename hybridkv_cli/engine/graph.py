@@ -211,3 +211,16 @@ def clone(graph: Any) -> Any:
             else:
                 copies[key] = data.clone()
     return rebuild(copies, tree)
+
+
+def to_device(graph: Any, device: torch.device) -> Any:
+    """``graph`` with its tensors in unpinned host memory moved to ``device``: a state compressed
+    in host memory (a streamed prefill's) made ready to decode there. Pinned host memory, the
+    state a policy keeps on the host (:func:`~hybridkv_cli.compression.store.to_host`), stays."""
+    if device.type == "cpu":
+        return graph
+    storages, info, tree = flatten(graph)
+    with torch.inference_mode():
+        moved = {key: data if info[key]["device"] != "cpu" or info[key]["pinned"] else data.to(device)
+                 for key, data in storages.items()}
+    return rebuild(moved, tree)

@@ -221,18 +221,20 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
                                                                   m.replayed))
 
 
-def prompt_job(model, prompt, policy, defer_question: bool = False, *, tag: Any = None, about: Any = None) -> Job:
-    """The job of one prompt, prefilled through ``policy`` when it is admitted: up to the end of
-    the prompt, or with ``defer_question`` of its media (the question and the template tail are
-    then its suffix, read through the compressed cache)."""
+def prompt_job(model, prompt, policy, defer_question: bool = False, *, tag: Any = None, about: Any = None,
+               streaming=None) -> Job:
+    """The job of one prompt, prefilled through ``policy`` when it is admitted (in chunks where
+    ``streaming`` applies): up to the end of the prompt, or with ``defer_question`` of its media
+    (the question and the template tail are then its suffix, read through the compressed cache)."""
     upto = prompt.question_start if defer_question else prompt.length
     return Job(tag, prompt.inputs["input_ids"][0, upto:].tolist(), length=prompt.length, about=about,
-               prefill=lambda: prefill(model, prompt, policy, upto))
+               prefill=lambda: prefill(model, prompt, policy, upto, streaming=streaming))
 
 
-def generate(model, prompt, policy, max_new_tokens: int = 128, defer_question: bool = False) -> Generation:
+def generate(model, prompt, policy, max_new_tokens: int = 128, defer_question: bool = False,
+             streaming=None) -> Generation:
     """One prompt greedy-decoded through ``policy``'s compressed cache (:func:`prompt_job`, alone)."""
-    job = prompt_job(model, prompt, policy, defer_question)
+    job = prompt_job(model, prompt, policy, defer_question, streaming=streaming)
     outcome, = decode(lambda: model, [(None, lambda: job)], max_new_tokens=max_new_tokens)
     if outcome.error is not None:
         raise outcome.error

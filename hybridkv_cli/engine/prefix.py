@@ -21,6 +21,7 @@ from hybridkv_cli.compression import Policy
 from hybridkv_cli.compression.cache import PolicyCache, layer_count, policy_attention
 from hybridkv_cli.engine.graph import clone
 from hybridkv_cli.engine.measure import Meter, now
+from hybridkv_cli.engine.stream import Streaming, stream_prefill
 from hybridkv_cli.models.prompt import Prompt, QuestionTemplate
 
 
@@ -69,12 +70,13 @@ class Prefix:
 
     @classmethod
     def cache_of(cls, policy: Policy, state: tuple, seen: int, visual: torch.Tensor, device, *,
-                 prefill_peak_bytes: int = 0, compress_seconds: float = 0.0) -> PolicyCache:
+                 prefill_peak_bytes: int = 0, compress_seconds: float = 0.0, streamed: dict | None = None
+                 ) -> PolicyCache:
         """A cache holding ``state`` (see :attr:`state`) after ``seen`` tokens, with the
         measurements of the prefill that made it."""
         layers, reports, run = state
         cache = PolicyCache(policy, len(layers), visual)
-        cache.prefill_peak_bytes, cache.compress_seconds = prefill_peak_bytes, compress_seconds
+        cache.prefill_peak_bytes, cache.compress_seconds, cache.streamed = prefill_peak_bytes, compress_seconds, streamed
         for layer, kv in zip(cache.layers, layers):
             layer.kv, layer.seen, layer.device, layer.is_initialized = kv, seen, device, True
         cache.reports, cache.run = reports, run
@@ -90,11 +92,14 @@ class Prefix:
             return cache, self.meter
         meter = Meter(device)  # the copy counts as the job's own time
         return self.cache_of(self.policy, clone(self.state), self.seen, self.visual, device,
-                             prefill_peak_bytes=self.prefill_peak_bytes, compress_seconds=self.compress_seconds), meter
+                             prefill_peak_bytes=self.prefill_peak_bytes, compress_seconds=self.compress_seconds,
+                             streamed=self.cache.streamed), meter
 
 
-def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, shared: bool = False) -> Prefix:
-    """``prompt``'s first ``upto`` tokens (None: all) prefilled and compressed by ``policy``.
+def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, shared: bool = False,
+            streaming: Streaming | None = None) -> Prefix:
+    """``prompt``'s first ``upto`` tokens (None: all) prefilled and compressed by ``policy``: in
+    one pass, or in chunks when ``streaming`` applies to its length (:mod:`~hybridkv_cli.engine.stream`).
 
     The model's own mRoPE state is put back as it was; the offset this prompt gives is kept in
     the prefix. Only the last position's logits are computed (a 150k-word vocabulary over a
@@ -104,16 +109,20 @@ def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, s
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
     tokens = per_token(inputs)
     inputs = {k: v[:, :upto] if k in tokens else v for k, v in inputs.items()}
-    cache = PolicyCache(policy, layer_count(model), prompt.visual[:upto])
     owner = rope_owner(model)
     saved = owner.rope_deltas if owner is not None else None
     meter = Meter(device)
     try:
-        with torch.inference_mode(), policy_attention(model):
-            if owner is not None:
-                owner.rope_deltas = None  # computed afresh from this prompt
-            logits = model(**inputs, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-        rope = owner.rope_deltas.clone() if owner is not None and owner.rope_deltas is not None else None
+        if owner is not None:
+            owner.rope_deltas = None  # computed afresh from this prompt
+        if streaming is not None and streaming.applies(upto):
+            cache, logits, rope = stream_prefill(model, inputs, prompt.visual[:upto], policy, streaming)
+        else:
+            cache = PolicyCache(policy, layer_count(model), prompt.visual[:upto])
+            with torch.inference_mode(), policy_attention(model):
+                logits = model(**inputs, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            rope = owner.rope_deltas if owner is not None else None
+        rope = rope.clone() if rope is not None else None
     finally:
         if owner is not None:
             owner.rope_deltas = saved

@@ -71,6 +71,7 @@ def measurements(loaded: LoadedModel, policy: Policy, run: Generation) -> dict:
         decode["modelled"] = modelled_step(loaded, device_bytes, h2d / steps if steps else 0.0, heads)
     return {
         "prefill_s": run.prefill_s,
+        "streamed": run.cache.streamed,
         "decode": decode,
         "kv": {
             "device_bytes": device_bytes,

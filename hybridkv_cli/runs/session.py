@@ -18,6 +18,7 @@ from typing import Callable, ContextManager
 
 from hybridkv_cli.compression import MethodOptions, Policy
 from hybridkv_cli.engine import Job, Limits, Prefix, decode, prefill, prompt_job
+from hybridkv_cli.engine.stream import Streaming
 from hybridkv_cli.io import signals
 from hybridkv_cli.io.errors import ContextLengthError, HybridKVError, ModelError, UsageError, one_line
 from hybridkv_cli.media import MediaInput, load_media
@@ -45,6 +46,7 @@ class AskOptions:
     max_new_tokens: int = 128
     defer_question: bool = False  # compress before the question is read (its tokens then decode as a suffix)
     method_given: bool = True  # --method was given (a .hkv input with another method is refused)
+    streaming: Streaming = Streaming()  # when and how a long prompt is prefilled in chunks
 
 
 @dataclass
@@ -177,7 +179,8 @@ class Session:
 
         def job(tag, prepare) -> Job:
             prepared = prepare()
-            job = prompt_job(self.model().model, prepared.prompt, policy, o.defer_question, tag=tag, about=prepared)
+            job = prompt_job(self.model().model, prepared.prompt, policy, o.defer_question, tag=tag, about=prepared,
+                             streaming=o.streaming)
             unguarded = job.prefill
             job.prefill = lambda: guarded(prepared.source, unguarded)
             return job
@@ -219,7 +222,7 @@ class Session:
             raise HybridKVError("the prompt has no question after its media", prepared.source)
         with self.stage(f"compressing ({policy.name}, budget {policy.budget:g}) ..."):
             prefix = guarded(prepared.source, prefill, self.model().model, prompt, policy,
-                                   prompt.question_start, shared=True)
+                             prompt.question_start, shared=True, streaming=self.options.streaming)
         prefix.template = QuestionTemplate.of(self.model().tokenizer, prompt, prepared.question)
         info = input_record(media, prompt)
         info.pop("text_tokens", None)  # the question's: set per record

@@ -1,0 +1,129 @@
+"""Streamed prefill: a prompt read in chunks, each layer keeping a bounded working set on the
+device, then compressed.
+
+At b = 1 with a working window that holds everything, a streamed prefill gives the one-pass
+prefill's tokens (positions, visual tokens and attention carry across chunks); a small window
+bounds the device KV while reading; chunks never cut an image or a video's 2-frame group; every
+method compresses a streamed prompt; bad flags are one-line usage errors.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridkv_cli import cli
+from hybridkv_cli.compression import METHODS, make_policy
+from hybridkv_cli.engine import generate, prefill
+from hybridkv_cli.engine.stream import Streaming, positions
+from hybridkv_cli.media import load_media
+from hybridkv_cli.models.chunks import chunk_bounds, chunk_inputs, visual_units
+from hybridkv_cli.models.prompt import build_prompt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from demo_fixtures import cached_demo, demo  # noqa: E402,F401 - fixtures
+from method_options import needed  # noqa: E402
+
+NEEDLE = Path(__file__).resolve().parents[1] / "sample_media" / "needle.mp4"
+QUESTION = "What colour is the needle?"
+EVERYTHING = Streaming("on", chunk=128, window=1 << 20)  # chunks of 128 tokens, nothing evicted while reading
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def prompt(demo):
+    """The needle clip at 64 frames: 512 visual tokens in 32 temporal groups, 554 tokens in all."""
+    media = load_media([NEEDLE], frames=64, max_pixels=28 * 28 * 16)
+    return build_prompt(demo.processor, media, QUESTION)
+
+
+@pytest.fixture(scope="module")
+def one_pass(demo, prompt):
+    return {(m, b): generate(demo.model, prompt, make_policy(m, budget=b, **needed(m)), NEW).tokens
+            for m, b in (("full", 1.0), ("hybridkv", 1.0), ("hybridkv", 0.1), ("snapkv", 0.1))}
+
+
+@pytest.mark.parametrize("method, budget", [("full", 1.0), ("hybridkv", 1.0), ("hybridkv", 0.1), ("snapkv", 0.1)])
+def test_streamed_with_everything_in_the_window_gives_the_one_pass_tokens(demo, prompt, one_pass, method, budget):
+    streamed = generate(demo.model, prompt, make_policy(method, budget=budget, **needed(method)), NEW,
+                        streaming=EVERYTHING)
+    assert streamed.tokens == one_pass[method, budget]
+
+
+def test_streamed_logits_and_positions_equal_one_pass(demo, prompt):
+    """The mRoPE positions of every chunk are the whole prompt's, and the last logits agree."""
+    policy = make_policy("full")
+    once = prefill(demo.model, prompt, policy)
+    streamed = prefill(demo.model, prompt, policy, streaming=EVERYTHING)
+    torch.testing.assert_close(streamed.logits, once.logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(streamed.rope_deltas, once.rope_deltas)
+    assert {k: streamed.cache.streamed[k] for k in ("chunks", "chunk_tokens", "window")} == {
+        "chunks": 5, "chunk_tokens": 128, "window": 1 << 20}
+    assert once.cache.streamed is None
+    pos, _ = positions(demo.model, prompt.inputs)
+    video = prompt.visual.nonzero().flatten()
+    assert pos.shape == (3, 1, prompt.length) and int(pos[0, 0, video[-1]]) > int(pos[0, 0, video[0]])  # time runs
+
+
+def test_chunks_never_cut_a_temporal_group(demo, prompt):
+    units = visual_units(demo.model.config, prompt.inputs)
+    assert len(units) == 32 and all(u.end - u.start == 16 for u in units)
+    for tokens in (1, 20, 128, 10_000):
+        bounds = chunk_bounds(units, prompt.length, tokens)
+        assert bounds[0][0] == 0 and bounds[-1][1] == prompt.length
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        for start, end in bounds:
+            assert not any(u.start < start < u.end or u.start < end < u.end for u in units)
+            assert end - start <= max(tokens, 16)
+    rows = sum(chunk_inputs(prompt.inputs, units, s, e).get("pixel_values_videos", torch.empty(0, 1)).shape[0]
+               for s, e in chunk_bounds(units, prompt.length, 100))
+    assert rows == prompt.inputs["pixel_values_videos"].shape[0]  # every pixel row read exactly once
+
+
+def test_a_small_window_bounds_the_device_kv_while_reading(demo, prompt):
+    """Device KV while reading stays near layers x (window + chunk) tokens, not the prompt's."""
+    config = demo.model.config.text_config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size //
+                                                                              config.num_attention_heads) * 4
+    once = prefill(demo.model, prompt, make_policy("hybridkv", budget=0.1))
+    streamed = prefill(demo.model, prompt, make_policy("hybridkv", budget=0.1), streaming=Streaming("on", 64, 96))
+    assert once.prefill_peak_bytes >= prompt.length * per_token // config.num_hidden_layers
+    assert streamed.cache.streamed["read_peak_bytes"] <= (96 + 64 + 64) * per_token  # window + chunk (+ text kept)
+    assert streamed.cache.streamed["read_peak_bytes"] < prompt.length * per_token / 2
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_compresses_a_streamed_prompt(demo, prompt, method):
+    policy = make_policy(method, budget=0.1, **needed(method)) if method != "full" else make_policy("full")
+    prefix = prefill(demo.model, prompt, policy, streaming=Streaming("on", 128, 256))
+    assert prefix.seen == prompt.length and prefix.cache.streamed["chunks"] == 5
+    assert all(layer.seen == prompt.length for layer in prefix.cache.layers)
+    generation = generate(demo.model, prompt, policy, 4, streaming=Streaming("on", 128, 256))
+    assert len(generation.tokens) == 4
+
+
+def test_auto_streams_only_past_the_window():
+    assert not Streaming().applies(16384) and Streaming().applies(16385)
+    assert Streaming("on").applies(10) and not Streaming("off").applies(10 ** 6)
+
+
+@pytest.mark.parametrize("flags, named", [(["--stream", "sometimes"], "--stream"),
+                                          (["--stream-chunk", "0"], "--stream-chunk"),
+                                          (["--stream-window", "-5"], "--stream-window")])
+def test_bad_stream_flags_are_one_line_usage_errors(capsys, flags, named):
+    code = cli.run(["ask", str(NEEDLE), QUESTION, "--model", "demo", *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and named in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_cli_streams_and_says_so(capsys):
+    code = cli.run(["ask", str(NEEDLE), QUESTION, "--model", "demo", "--max-pixels", str(28 * 28 * 16),
+                    "--stream", "on", "--stream-chunk", "128", "--max-new-tokens", "2", "--json"])
+    import json
+
+    record = json.loads(capsys.readouterr().out)
+    assert code == 0 and record["streamed"]["chunks"] == 5 and record["streamed"]["window"] == 16384
+    assert 0 < record["streamed"]["read_peak_bytes"] <= record["kv"]["prefill_peak_bytes"]
