@@ -1,5 +1,5 @@
 """Streamed prefill: a prompt read in chunks, each layer keeping a bounded working set on the
-device, then compressed.
+device, then compressed; a long video decoded chunk by chunk while it is read (--max-frames).
 
 At b = 1 with a working window that holds everything, a streamed prefill gives the one-pass
 prefill's tokens (positions, visual tokens and attention carry across chunks); a small window
@@ -19,12 +19,13 @@ from hybridkv_cli import cli
 from hybridkv_cli.compression import METHODS, make_policy
 from hybridkv_cli.engine import generate, prefill
 from hybridkv_cli.engine.stream import Streaming, positions
-from hybridkv_cli.media import load_media
+from hybridkv_cli.media import load_media, load_media_stream
 from hybridkv_cli.models.chunks import chunk_bounds, chunk_inputs, visual_units
 from hybridkv_cli.models.prompt import build_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from demo_fixtures import cached_demo, demo  # noqa: E402,F401 - fixtures
+from media_fixtures import make_video  # noqa: E402
 from method_options import needed  # noqa: E402
 
 NEEDLE = Path(__file__).resolve().parents[1] / "sample_media" / "needle.mp4"
@@ -127,3 +128,58 @@ def test_the_cli_streams_and_says_so(capsys):
     record = json.loads(capsys.readouterr().out)
     assert code == 0 and record["streamed"]["chunks"] == 5 and record["streamed"]["window"] == 16384
     assert 0 < record["streamed"]["read_peak_bytes"] <= record["kv"]["prefill_peak_bytes"]
+
+
+def test_a_video_read_while_prefilling_gives_the_eager_prompt_and_tokens(demo, prompt):
+    """Decoded chunk by chunk, the needle clip is token for token, row for row the eager prompt,
+    and answers the same."""
+    media = load_media_stream([NEEDLE], frames=64, max_pixels=28 * 28 * 16)
+    lazy = build_prompt(demo.processor, media, QUESTION)
+    assert lazy.read_while_prefilling and not prompt.read_while_prefilling and media.video is None
+    for key, value in prompt.inputs.items():
+        if key != "pixel_values_videos":
+            assert torch.equal(lazy.inputs[key], value), key
+    units = visual_units(demo.model.config, lazy.inputs)
+    rows = [chunk_inputs(lazy.inputs, units, s, e).get("pixel_values_videos") for s, e in
+            chunk_bounds(units, lazy.length, 100)]
+    assert torch.equal(torch.cat([r for r in rows if r is not None]), prompt.inputs["pixel_values_videos"])
+    policy = make_policy("hybridkv", budget=0.1)
+    assert generate(demo.model, lazy, policy, NEW).tokens == generate(demo.model, prompt, policy, NEW,
+                                                                       streaming=Streaming("on")).tokens
+
+
+@pytest.fixture(scope="module")
+def long_video(tmp_path_factory):
+    return make_video(tmp_path_factory.mktemp("long") / "long.mp4", n=600, fps=10)
+
+
+def test_max_frames_reads_a_long_video_in_chunks(capsys, long_video):
+    code = cli.run(["ask", str(long_video), "What happens?", "--model", "demo", "--max-frames", "400",
+                    "--stream-chunk", "512", "--stream-window", "256", "--max-new-tokens", "2", "--json"])
+    import json
+
+    record = json.loads(capsys.readouterr().out)
+    assert code == 0 and record["input"]["frames_used"] == 400 and record["input"]["frames_total"] == 600
+    assert record["streamed"]["chunks"] >= 4 and record["input"]["visual_tokens"] % 200 == 0
+    frame_kv = record["kv"]["full_bytes"] // record["input"]["visual_tokens"]
+    assert record["streamed"]["read_peak_bytes"] <= (256 + 512 + 64) * frame_kv  # window + chunk + text, not all 3000
+
+
+@pytest.mark.parametrize("flags, named", [(["--max-frames", "-1"], "--max-frames"),
+                                          (["--max-frames", "1"], "--max-frames"),
+                                          (["--max-frames", "all", "--fps", "0"], "--fps"),
+                                          (["--max-frames", "100", "--stream", "off"], "--max-frames")])
+def test_bad_long_video_flags_are_refused_before_the_model_loads(capsys, long_video, monkeypatch, flags, named):
+    monkeypatch.setattr("hybridkv_cli.models.registry.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    code = cli.run(["ask", str(long_video), "What happens?", "--model", "demo", *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and named in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_video_the_host_cannot_hold_is_refused_before_decoding(capsys, long_video, monkeypatch):
+    monkeypatch.setattr("hybridkv_cli.runs.guards.host_memory_available", lambda: 1 << 20)
+    monkeypatch.setattr("hybridkv_cli.models.streamed_video.FramePixels.__getitem__",
+                        lambda *a: pytest.fail("a frame was decoded"))
+    code = cli.run(["ask", str(long_video), "What happens?", "--model", "demo", "--max-frames", "all"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and str(long_video) in err and "600 frames need" in err and "--max-frames" in err

@@ -70,6 +70,9 @@ STREAM_CHUNK = typer.Option(2048, "--stream-chunk", help="Streamed prefill: toke
                             "frames, never inside an image or a 2-frame group).")
 STREAM_WINDOW = typer.Option(16384, "--stream-window", help="Streamed prefill: earlier tokens each layer attends to "
                              "while reading (the rest wait in host memory for the compression).")
+MAX_FRAMES = typer.Option(None, "--max-frames", help="Read one video as a stream, its frames decoded while the "
+                          "prompt is prefilled in chunks: at most N frames (at --fps if given, else N spread over "
+                          "it), or 'all' (every frame, or all at --fps). Each frame keeps a 64-frame clip's size.")
 MAX_PIXELS = typer.Option(None, help="Max pixels per frame/image (resized by Qwen2.5-VL's rules).")
 DEVICE = typer.Option("auto", help="auto | cuda | cpu")
 DTYPE = typer.Option("auto", help="auto | bfloat16 | float16 | float32")
@@ -238,3 +241,18 @@ def streaming(mode: str, chunk: int, window: int):
     from hybridkv_cli.engine.stream import Streaming
 
     return Streaming(mode, chunk, window)
+
+
+def max_frames_arg(value: str | None, fps: float | None, max_pixels: int | None, stream) -> int | str | None:
+    """``--max-frames`` checked with the flags it goes with: a whole number >= 2, ``"all"``, or
+    None (not given: the video is sampled and decoded up front)."""
+    from hybridkv_cli.media.frame_stream import check_max_frames, check_stream_args
+
+    if value is None:
+        return None
+    if stream.mode == "off":
+        raise UsageError("--max-frames reads the video while prefilling in chunks: not with --stream off",
+                         "--max-frames")
+    cap = check_max_frames(value)
+    check_stream_args(frames=cap or 2, fps=fps, max_frames=cap, max_pixels=max_pixels)
+    return "all" if cap is None else cap

@@ -99,7 +99,8 @@ class Prefix:
 def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, shared: bool = False,
             streaming: Streaming | None = None) -> Prefix:
     """``prompt``'s first ``upto`` tokens (None: all) prefilled and compressed by ``policy``: in
-    one pass, or in chunks when ``streaming`` applies to its length (:mod:`~hybridkv_cli.engine.stream`).
+    one pass, or in chunks when ``streaming`` applies to its length or its video is decoded as it
+    is read (:mod:`~hybridkv_cli.engine.stream`).
 
     The model's own mRoPE state is put back as it was; the offset this prompt gives is kept in
     the prefix. Only the last position's logits are computed (a 150k-word vocabulary over a
@@ -115,8 +116,8 @@ def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, s
     try:
         if owner is not None:
             owner.rope_deltas = None  # computed afresh from this prompt
-        if streaming is not None and streaming.applies(upto):
-            cache, logits, rope = stream_prefill(model, inputs, prompt.visual[:upto], policy, streaming)
+        if prompt.read_while_prefilling or (streaming is not None and streaming.applies(upto)):
+            cache, logits, rope = stream_prefill(model, inputs, prompt.visual[:upto], policy, streaming or Streaming())
         else:
             cache = PolicyCache(policy, layer_count(model), prompt.visual[:upto])
             with torch.inference_mode(), policy_attention(model):

@@ -1,10 +1,11 @@
-"""stderr for people: one-line errors and warnings, and a status spinner while a slow step runs."""
+"""stderr for people: one-line errors and warnings, a status spinner while a slow step runs, and the
+count of frames read while a video is prefilled."""
 
 from __future__ import annotations
 
 import logging
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterator
 
 from rich.console import Console
@@ -23,9 +24,35 @@ def print_warning(message: str) -> None:
     err.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False, soft_wrap=True)
 
 
-def status(quiet: bool) -> Callable[[str], ContextManager]:
-    """A stage callback for a session: a transient spinner on stderr (none when quiet)."""
-    return (lambda message: nullcontext()) if quiet else (lambda message: err.status(escape(message)))
+class Stages:
+    """A session's stage callback: ``stages(message)`` shows a transient spinner on stderr while
+    a slow step runs (nothing when quiet); :meth:`frames` turns the spinner's line into the count
+    of frames read while a video is prefilled."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.current = None  # the spinner shown now
+
+    @contextmanager
+    def __call__(self, message: str) -> Iterator[None]:
+        if self.quiet:
+            yield
+            return
+        with err.status(escape(message)) as spinner:
+            self.current = spinner
+            try:
+                yield
+            finally:
+                self.current = None
+
+    def frames(self, read: int, total: int) -> None:
+        if self.current is not None:
+            self.current.update(f"reading frames {read}/{total} ({100 * read // max(total, 1)} %) ...")
+
+
+def status(quiet: bool) -> Stages:
+    """A stage callback for a session (:class:`Stages`)."""
+    return Stages(quiet)
 
 
 @contextmanager

@@ -56,6 +56,7 @@ __all__ = [
     "VideoStream",
     "expand_inputs",
     "load_media",
+    "load_media_stream",
     "media_in_directory",
     "open_video_stream",
     "pixel_bounds",
@@ -105,3 +106,21 @@ def load_media(paths: Sequence[str | os.PathLike] | str | os.PathLike, *, frames
     images = tuple(load_image(p, min_pixels, max_pixels, in_set=several) for p in expanded.sources)
     return MediaInput(kind="images", sources=expanded.sources, video=None, images=images, frames_total=None,
                       frames_used=len(images), sample_fps=None, origin=expanded.origin, decoder="pillow")
+
+
+def load_media_stream(paths: Sequence[str | os.PathLike] | str | os.PathLike, *, frames: int | None = 64,
+                      fps: float | None = None, max_frames=None, max_pixels: int | None = None,
+                      min_pixels: int | None = None) -> MediaInput:
+    """One video opened for reading while its prompt is read (``MediaInput.stream``; no frame
+    decoded yet): ``frames`` spread over it, or ``fps`` a second, at most ``max_frames`` (None /
+    ``"all"``: no cap). Each frame keeps a 64-frame clip's resolution (:mod:`.frame_stream`)."""
+    expanded = expand_inputs(paths)
+    if expanded.kind != "video" or is_animation(expanded.sources[0]):
+        raise UsageError("reads one video file (not images or an animation)", "--max-frames")
+    stream = open_video_stream(expanded.sources[0], frames=frames, fps=fps, max_frames=max_frames,
+                               min_pixels=min_pixels, max_pixels=max_pixels)
+    return MediaInput(kind="video", sources=expanded.sources, video=None, images=(), frames_total=stream.frames_total,
+                      frames_used=stream.count,
+                      sample_fps=stream.count / stream.duration if stream.duration > 0 else None,
+                      origin=str(expanded.sources[0]), decoder=stream.decoder, frame_indices=stream.indices,
+                      rotation=stream.rotation, stream=stream)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from hybridkv_cli.media.frame_stream import VideoStream
 from hybridkv_cli.media.paths import set_label
 
 
@@ -30,6 +31,7 @@ class MediaInput:
     decoder: str | None = None  # "decord" / "pyav" (video) or "pillow" (images)
     frame_indices: tuple[int, ...] | None = None  # source frame index of each video frame
     rotation: int = 0  # degrees counter-clockwise turned to show a video upright (its display matrix)
+    stream: VideoStream | None = None  # a video decoded while its prompt is read (``video`` is then None)
 
     @property
     def label(self) -> str:
@@ -38,6 +40,8 @@ class MediaInput:
     @property
     def frame_size(self) -> list[int] | None:
         """[width, height] of the frames / images the model sees (None: images of several sizes)."""
+        if self.stream is not None:
+            return [self.stream.size[1], self.stream.size[0]]
         sizes = {(int(self.video.shape[-1]), int(self.video.shape[-2]))} if self.video is not None else \
             {im.size for im in self.images}
         return list(sizes.pop()) if len(sizes) == 1 else None
@@ -45,6 +49,8 @@ class MediaInput:
     @property
     def size(self) -> tuple[int, int]:
         """(height, width) of every frame / of the first image."""
+        if self.stream is not None:
+            return self.stream.size
         if self.video is not None:
             return int(self.video.shape[-2]), int(self.video.shape[-1])
         w, h = self.images[0].size

@@ -88,15 +88,16 @@ def chunk_bounds(units: list[Unit], length: int, tokens: int) -> list[tuple[int,
 
 def chunk_inputs(inputs: dict, units: list[Unit], start: int, end: int) -> dict:
     """The model keyword arguments of the chunk ``start:end``: its token ids and the pixel rows
-    and grids of the visual units inside it (every unit is wholly inside or outside)."""
+    and grids of the visual units inside it (every unit is wholly inside or outside), on the token ids' device."""
     out = {"input_ids": inputs["input_ids"][:, start:end]}
     for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
                                ("video", "pixel_values_videos", "video_grid_thw")):
         inside = [u for u in units if u.kind == kind and start <= u.start < end]
         if not inside:
             continue
-        rows = torch.cat([inputs[pixels][u.rows[0]:u.rows[1]] for u in inside])
-        out[pixels] = rows
+        # A chunk's units of one kind are consecutive: one slice of rows (a lazy video's
+        # pixels, :class:`~hybridkv_cli.models.streamed_video.FramePixels`, decode it then).
+        out[pixels] = inputs[pixels][inside[0].rows[0]:inside[-1].rows[1]].to(inputs["input_ids"].device)
         # Consecutive slices of one video share (h, w): one grid row per unit is what the vision
         # tower needs (its attention is per slice either way).
         out[grid] = torch.tensor([list(u.grid) for u in inside], dtype=inputs[grid].dtype, device=inputs[grid].device)

@@ -16,6 +16,7 @@ import torch
 from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.models import families
+from hybridkv_cli.models.streamed_video import FramePixels, streamed_video_inputs
 
 VISUAL_PAD_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<image>", "<video>")  # never a question stand-in
 _MARKER = "\ue000"  # a private-use character: absent from any template, replaced after rendering
@@ -71,6 +72,11 @@ class Prompt:
     @property
     def length(self) -> int:
         return self.visual.numel()
+
+    @property
+    def read_while_prefilling(self) -> bool:
+        """Its pixels are decoded chunk by chunk as the prompt is read (a streamed video)."""
+        return isinstance(self.inputs.get("pixel_values_videos"), FramePixels)
 
     @property
     def visual_tokens(self) -> int:
@@ -167,9 +173,17 @@ def build_prompt(processor, media: MediaInput, question: str) -> Prompt:
     if media.kind == "video":
         # Frames are already sampled and sized by the media layer; their rate sets Qwen's temporal
         # ids (Qwen2/2.5-VL) or frame timestamps (Qwen3-VL).
-        meta = video_kwargs(fps=media.sample_fps or 2.0, num_frames=media.frames_used)["video_metadata"]
-        kwargs = families.media_kwargs(processor, "video", media.video[:, 0].numel(), meta)
-        inputs = processor(text=[text], videos=[media.video], videos_kwargs=kwargs, return_tensors="pt")
+        height, width = media.size
+
+        def kwargs_for(frames: int) -> dict:
+            meta = video_kwargs(fps=media.sample_fps or 2.0, num_frames=frames)["video_metadata"]
+            return families.media_kwargs(processor, "video", frames * height * width, meta)
+
+        if media.stream is not None:  # frames decoded while the prompt is read
+            inputs = streamed_video_inputs(processor, text, media.stream, kwargs_for)
+        else:
+            inputs = processor(text=[text], videos=[media.video], videos_kwargs=kwargs_for(media.frames_used),
+                               return_tensors="pt")
     else:
         images = list(media.images)
         kwargs = families.media_kwargs(processor, "image", max(im.size[0] * im.size[1] for im in images))

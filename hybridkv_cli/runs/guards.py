@@ -12,6 +12,7 @@ import torch
 from hybridkv_cli.io.errors import ContextLengthError, MediaWarning, OutOfMemoryError, UsageError
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.models.prompt import Prompt
+from hybridkv_cli.models.streamed_video import DECODE_FRAMES
 
 
 def failure(source: str, error: BaseException) -> BaseException:
@@ -82,6 +83,33 @@ def warn_if_large(media: MediaInput, tokens: int) -> None:
     else:  # --each splits only a set of files: a video is smaller with fewer frames or pixels
         what, fix = f"{tokens} visual tokens", "fewer --frames or a lower --max-pixels makes it smaller"
     warnings.warn(f"{media.label}: {what} in one prompt; {fix}", MediaWarning, stacklevel=3)
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now (Linux's MemAvailable; None where unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_stream_memory(media: MediaInput, prompt, loaded, source: str) -> None:
+    """Refuse, before any frame is decoded, a streamed video whose KV the host cannot hold: a
+    streamed prefill keeps every layer's prompt KV in host memory until it is compressed."""
+    if media.stream is None:
+        return
+    itemsize = torch.empty(0, dtype=loaded.model.dtype).element_size()
+    need = 2 * prompt.length * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * itemsize
+    need += media.stream.memory(DECODE_FRAMES).chunk
+    have = host_memory_available()
+    if have is not None and need > have:
+        raise UsageError(f"{media.frames_used} frames need {need / 2**30:.1f} GiB of host memory for "
+                         f"their KV while prefilling, {have / 2**30:.1f} GiB is available; a lower --max-frames, "
+                         "--fps or --max-pixels makes it smaller", source)
 
 
 def is_oom(e: BaseException) -> bool:

@@ -21,12 +21,12 @@ from hybridkv_cli.engine import Job, Limits, Prefix, decode, prefill, prompt_job
 from hybridkv_cli.engine.stream import Streaming
 from hybridkv_cli.io import signals
 from hybridkv_cli.io.errors import ContextLengthError, HybridKVError, ModelError, UsageError, one_line
-from hybridkv_cli.media import MediaInput, load_media
+from hybridkv_cli.media import MediaInput, load_media, load_media_stream
 from hybridkv_cli.models import registry
 from hybridkv_cli.models.loaded import LoadedModel
 from hybridkv_cli.models.prompt import Prompt, QuestionTemplate, build_prompt, build_text_prompt
-from hybridkv_cli.runs.guards import (check_length, check_new_tokens, failure, free_memory, guarded, is_oom,
-                                      warn_if_large)
+from hybridkv_cli.runs.guards import (check_length, check_new_tokens, check_stream_memory, failure, free_memory,
+                                      guarded, is_oom, warn_if_large)
 from hybridkv_cli.runs.inputs import Item
 from hybridkv_cli.runs.record import input_record, make_record, prefix_record
 
@@ -42,6 +42,7 @@ class AskOptions:
     method_options: MethodOptions = MethodOptions()  # budget, window, theta, ... (None: not given)
     frames: int = 64
     fps: float | None = None
+    max_frames: int | str | None = None  # a video read as a stream of at most this many frames ("all": no cap)
     max_pixels: int | None = None
     max_new_tokens: int = 128
     defer_question: bool = False  # compress before the question is read (its tokens then decode as a suffix)
@@ -60,6 +61,9 @@ class Prepared:
     source: str
 
 
+#: ``--max-frames all`` without ``--fps``: every frame of the video.
+EVERY_FRAME = 1 << 40
+
 #: The question a prefix's template prompt is built with (any question gives the same template).
 TEMPLATE_QUESTION = "?"
 
@@ -75,13 +79,17 @@ class Session:
     stage : callable, optional
         ``stage(message)`` returns a context manager shown while a slow step runs (a spinner,
         a progress description).
+    progress : callable, optional
+        ``progress(frames_read, frames)`` while a video is read as its prompt is prefilled.
     """
 
     def __init__(self, options: AskOptions, *, loaded: LoadedModel | None = None,
-                 stage: Callable[[str], ContextManager] | None = None):
+                 stage: Callable[[str], ContextManager] | None = None,
+                 progress: Callable[[int, int], None] | None = None):
         self.options = options
         self.loaded = loaded
         self.stage = stage or (lambda message: nullcontext())
+        self.progress = progress  # (frames read, frames) of a video read while prefilling
         # Built now, so a bad method or option is refused before any input is read; a policy
         # is configuration only and serves every generation of the session.
         self.policy = options.method_options.policy(options.method) if options.method else None
@@ -112,6 +120,10 @@ class Session:
         """One input's media, at the model's own frame size unless ``--max-pixels`` says otherwise."""
         o = self.options
         max_pixels = registry.max_pixels_for(o.model, o.max_pixels)
+        if o.max_frames is not None:  # decoded while the prompt is read: --fps, else --max-frames spread over it
+            cap = None if o.max_frames == "all" else o.max_frames
+            return load_media_stream(list(paths), frames=None if o.fps else cap or EVERY_FRAME, fps=o.fps,
+                                     max_frames=cap, max_pixels=max_pixels)
         return load_media(list(paths), frames=o.frames, fps=o.fps, max_pixels=max_pixels)
 
     def prepare(self, media: MediaInput | None, question: str, *, context: str | None = None,
@@ -129,7 +141,10 @@ class Session:
             loaded.refuse_media(source)
             prompt = guarded(source, build_prompt, loaded.processor, media, question)
         check_length(prompt, loaded.context_limit, self.options.max_new_tokens, source)
-        if media is not None and media.sources not in self._sized:
+        if media is not None and media.stream is not None:
+            check_stream_memory(media, prompt, loaded, source)
+            prompt.inputs["pixel_values_videos"].on_read = self.progress
+        elif media is not None and media.sources not in self._sized:
             self._sized.add(media.sources)
             warn_if_large(media, prompt.visual_tokens)
         return Prepared(media, prompt, question, source)
