@@ -182,4 +182,20 @@ def test_a_video_the_host_cannot_hold_is_refused_before_decoding(capsys, long_vi
                         lambda *a: pytest.fail("a frame was decoded"))
     code = cli.run(["ask", str(long_video), "What happens?", "--model", "demo", "--max-frames", "all"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and str(long_video) in err and "600 frames need" in err and "--max-frames" in err
+    assert code == 1 and str(long_video) in err and "600 frames need" in err and "--max-frames" in err
+
+
+def test_a_streamed_video_compressed_once_answers_as_a_deferred_streamed_run(capsys, long_video, tmp_path):
+    import json
+
+    flags = ["--model", "demo", "--max-frames", "300", "--stream-chunk", "512", "--stream-window", "256"]
+    hkv = tmp_path / "long.hkv"
+    assert cli.run(["compress", str(long_video), "-o", str(hkv), *flags, "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli.run(["ask", str(hkv), "What happens?", "--max-new-tokens", "4", "--json"]) == 0
+    cached = json.loads(capsys.readouterr().out)
+    assert cli.run(["ask", str(long_video), "What happens?", *flags, "--defer-question", "--max-new-tokens", "4",
+                    "--json"]) == 0
+    direct = json.loads(capsys.readouterr().out)
+    assert cached["answer"] == direct["answer"] and cached["input"]["frames_used"] == 300
+    assert direct["streamed"]["chunks"] >= 3

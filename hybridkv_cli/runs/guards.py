@@ -98,8 +98,9 @@ def host_memory_available() -> int | None:
 
 
 def check_stream_memory(media: MediaInput, prompt, loaded, source: str) -> None:
-    """Refuse, before any frame is decoded, a streamed video whose KV the host cannot hold: a
-    streamed prefill keeps every layer's prompt KV in host memory until it is compressed."""
+    """Refuse (this input, exit 1), before any frame is decoded, a streamed video whose KV the host
+    cannot hold: a streamed prefill keeps every layer's prompt KV in host memory until it is
+    compressed."""
     if media.stream is None:
         return
     itemsize = torch.empty(0, dtype=loaded.model.dtype).element_size()
@@ -107,7 +108,7 @@ def check_stream_memory(media: MediaInput, prompt, loaded, source: str) -> None:
     need += media.stream.memory(DECODE_FRAMES).chunk
     have = host_memory_available()
     if have is not None and need > have:
-        raise UsageError(f"{media.frames_used} frames need {need / 2**30:.1f} GiB of host memory for "
+        raise OutOfMemoryError(f"{media.frames_used} frames need {need / 2**30:.1f} GiB of host memory for "
                          f"their KV while prefilling, {have / 2**30:.1f} GiB is available; a lower --max-frames, "
                          "--fps or --max-pixels makes it smaller", source)
 
