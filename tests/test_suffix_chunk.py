@@ -89,3 +89,21 @@ def test_a_deferred_question_is_one_forward_pass_and_its_first_token_comes_from_
     assert suffix > 10 and calls == [prompt.question_start, suffix] + [1] * (len(run.tokens) - 1)
     assert len(run.step_s) == len(run.tokens) - 1 and run.prefill_s > 0
     assert run.cache.get_seq_length() == prompt.length + len(run.tokens) - 1
+
+
+def test_a_question_after_a_long_clip_sits_where_the_whole_prompt_puts_it(demo):
+    """Qwen's text after a video starts past the video's height and width, while its time steps
+    run further (here to 52, the text from 36): a question read after compression must take the
+    whole prompt's positions, and the answer's tokens follow the highest one, as in one pass."""
+    from hybridkv_cli.engine.stream import positions
+    from hybridkv_cli.media import load_media
+
+    clip = load_media([Path(__file__).resolve().parents[1] / "sample_media" / "needle.mp4"], frames=16)
+    prompt = build_prompt(demo.processor, clip, "What colour is the needle?")
+    pos, _ = positions(demo.model, prompt.inputs)
+    q = prompt.question_start
+    assert int(pos[0, 0, :q].max()) > int(pos[0, 0, q])  # the case: time runs past the text's start
+    for name in ("full", "snapkv"):
+        policy = make_policy(name, budget=1.0)
+        assert generate(demo.model, prompt, policy, 6, defer_question=True).tokens == \
+            generate(demo.model, prompt, policy, 6).tokens

@@ -99,7 +99,7 @@ class Decoder:
             generation_config=self.config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
             device=self.device, model_kwargs={})
         if suffix:
-            logits = self.read(cache, suffix, prefix.rope_deltas)
+            logits = self.read(cache, suffix, prefix.rope_for_suffix())
         elif prefix.logits is None:
             raise RuntimeError("a prefix read from a file needs a question to decode")
         else:
@@ -129,7 +129,8 @@ class Decoder:
 
     def join(self, member: Member) -> None:
         """Add a started member to the batch: it decodes from the next step on."""
-        position = self._positions(member.cache.get_seq_length(), 1, member.job.prefix.rope_deltas)
+        rope = member.job.prefix.rope_after(len(member.job.suffix))
+        position = self._positions(member.cache.get_seq_length(), 1, rope)
         self.members.append(member)
         self.cache.join(member.cache)
         self.feed = torch.cat([self.feed, torch.tensor([[member.tokens[-1]]], device=self.device)])

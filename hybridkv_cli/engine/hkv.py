@@ -43,7 +43,7 @@ FORMAT = "hybridkv-cache"
 FORMAT_VERSION = 5  # 2: kinds from a fixed table, the header under the checksum; 3: label landmarks;
 # 4: host-resident 2-bit keys; 5: dynamic heads' swap cap and stickiness
 _META_KEY = "hybridkv"
-_EXTRA = ("visual", "rope_deltas")
+_EXTRA = ("visual", "rope_deltas", "text_deltas")
 
 
 class CacheFileError(HybridKVError):
@@ -108,8 +108,9 @@ def save(path: str | os.PathLike, prefix: Prefix, loaded) -> int:
     tensors["visual"] = prefix.visual.cpu().to(torch.uint8)
     dtypes = {key: str(value.dtype).removeprefix("torch.") for key, value in prefix.tokens.items()}
     on_visual = pack_tokens(prefix.tokens, prefix.visual.cpu(), tensors)
-    if prefix.rope_deltas is not None:
-        tensors["rope_deltas"] = prefix.rope_deltas.cpu().contiguous()
+    for name in ("rope_deltas", "text_deltas"):
+        if getattr(prefix, name) is not None:
+            tensors[name] = getattr(prefix, name).cpu().contiguous()
     header = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -293,7 +294,7 @@ def _build(header: dict, tensors: dict, loaded) -> Prefix:
         header["compress_seconds"]), prefill_peak_bytes=int(header["prefill_peak_bytes"]))
     return Prefix(
         policy=policy, cache=cache, seen=seen, visual=visual, tokens=prefix, shared=True,
-        rope_deltas=tensors.get("rope_deltas"),
+        rope_deltas=tensors.get("rope_deltas"), text_deltas=tensors.get("text_deltas"),
         template=QuestionTemplate(list(template["head"]), list(template["tail"])),
         prefill_s=float(header["prefill_s"]), compress_seconds=cache.compress_seconds,
         prefill_peak_bytes=cache.prefill_peak_bytes, device_bytes=int(header["device_bytes"]),

@@ -21,7 +21,7 @@ from hybridkv_cli.compression import Policy
 from hybridkv_cli.compression.cache import PolicyCache, layer_count, policy_attention
 from hybridkv_cli.engine.graph import clone
 from hybridkv_cli.engine.measure import Meter, now
-from hybridkv_cli.engine.stream import Streaming, stream_prefill
+from hybridkv_cli.engine.stream import Streaming, positions, stream_prefill
 from hybridkv_cli.models.prompt import Prompt, QuestionTemplate
 
 
@@ -60,6 +60,20 @@ class Prefix:
     host_bytes: int = 0
     info: dict = field(default_factory=dict)  # what a record's "input" says about the media
     role: str = "visual"  # the prefix's bulk tokens: "visual" (media) or "context" (a text prompt)
+    text_deltas: torch.Tensor | None = None  # mRoPE offset of the text read after the prefix (None: rope_deltas)
+
+    def rope_for_suffix(self) -> torch.Tensor | None:
+        """The mRoPE offset of a suffix's tokens (a question read after the prefix): where the
+        whole prompt puts the text after the media."""
+        return self.text_deltas if self.text_deltas is not None else self.rope_deltas
+
+    def rope_after(self, suffix: int) -> torch.Tensor | None:
+        """The mRoPE offset of the tokens generated after ``suffix`` tokens read past the prefix:
+        they follow the highest position so far, as in the model's own generation (the media's
+        last time step may lie beyond the text read after it)."""
+        if self.rope_deltas is None:
+            return None
+        return torch.maximum(self.rope_deltas - suffix, self.rope_for_suffix())
 
     @property
     def state(self) -> tuple:
@@ -107,9 +121,9 @@ def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, s
     16k-token prompt would be gigabytes)."""
     device = model.device
     upto = prompt.length if upto is None else upto
-    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
-    tokens = per_token(inputs)
-    inputs = {k: v[:, :upto] if k in tokens else v for k, v in inputs.items()}
+    whole = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
+    tokens = per_token(whole)
+    inputs = {k: v[:, :upto] if k in tokens else v for k, v in whole.items()}
     owner = rope_owner(model)
     saved = owner.rope_deltas if owner is not None else None
     meter = Meter(device)
@@ -123,6 +137,11 @@ def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, s
             with torch.inference_mode(), policy_attention(model):
                 logits = model(**inputs, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
             rope = owner.rope_deltas if owner is not None else None
+        text = None
+        if rope is not None and upto < prompt.length:
+            # Where the text after the media starts is the whole prompt's to say (Qwen's text
+            # after a video starts past its height and width, not past its time).
+            text = (positions(model, whole)[0][0, :, upto] - upto)[:, None]
         rope = rope.clone() if rope is not None else None
     finally:
         if owner is not None:
@@ -130,7 +149,7 @@ def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, s
     prefill_s = now(device) - meter.start
     return Prefix(
         policy=policy, cache=cache, seen=upto, visual=prompt.visual[:upto].clone(),
-        tokens={k: v[:, :upto].clone() for k, v in tokens.items()}, rope_deltas=rope, logits=logits,
+        tokens={k: v[:, :upto].clone() for k, v in tokens.items()}, rope_deltas=rope, text_deltas=text, logits=logits,
         shared=shared, meter=meter, prefill_s=prefill_s, compress_seconds=cache.compress_seconds,
         prefill_peak_bytes=cache.prefill_peak_bytes, device_bytes=cache.device_bytes(),
         host_bytes=cache.host_bytes(), role=prompt.role,
