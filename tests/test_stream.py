@@ -41,17 +41,25 @@ def prompt(demo):
     return build_prompt(demo.processor, media, QUESTION)
 
 
+CASES = (("full", 1.0), ("hybridkv", 1.0), ("hybridkv", 0.1), ("snapkv", 0.1))
+
+
 @pytest.fixture(scope="module")
 def one_pass(demo, prompt):
-    return {(m, b): generate(demo.model, prompt, make_policy(m, budget=b, **needed(m)), NEW).tokens
-            for m, b in (("full", 1.0), ("hybridkv", 1.0), ("hybridkv", 0.1), ("snapkv", 0.1))}
+    """Tokens of a one-pass prefill, the question read with the media and after compression."""
+    return {(m, b, defer): generate(demo.model, prompt, make_policy(m, budget=b, **needed(m)), NEW,
+                                    defer_question=defer).tokens for m, b in CASES for defer in (False, True)}
 
 
-@pytest.mark.parametrize("method, budget", [("full", 1.0), ("hybridkv", 1.0), ("hybridkv", 0.1), ("snapkv", 0.1)])
+@pytest.mark.parametrize("method, budget", CASES)
 def test_streamed_with_everything_in_the_window_gives_the_one_pass_tokens(demo, prompt, one_pass, method, budget):
+    """A streamed prompt's question is read after compression: at b = 1 that is the one-pass
+    answer itself, below it the one-pass answer to the deferred question."""
     streamed = generate(demo.model, prompt, make_policy(method, budget=budget, **needed(method)), NEW,
                         streaming=EVERYTHING)
-    assert streamed.tokens == one_pass[method, budget]
+    assert streamed.tokens == one_pass[method, budget, True]
+    if budget == 1.0:
+        assert streamed.tokens == one_pass[method, budget, False]
 
 
 def test_streamed_logits_and_positions_equal_one_pass(demo, prompt):
@@ -127,6 +135,7 @@ def test_the_cli_streams_and_says_so(capsys):
 
     record = json.loads(capsys.readouterr().out)
     assert code == 0 and record["streamed"]["chunks"] == 5 and record["streamed"]["window"] == 16384
+    assert record["defer_question"]  # a streamed prompt's question is read after compression
     assert 0 < record["streamed"]["read_peak_bytes"] <= record["kv"]["prefill_peak_bytes"]
 
 

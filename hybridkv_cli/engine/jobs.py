@@ -28,6 +28,7 @@ import torch
 from hybridkv_cli.engine.decoder import Decoder
 from hybridkv_cli.engine.measure import Generation
 from hybridkv_cli.engine.prefix import Prefix, prefill
+from hybridkv_cli.engine.stream import streamed
 from hybridkv_cli.io.errors import OutOfMemoryError
 from hybridkv_cli.io.report import human_bytes
 
@@ -223,10 +224,11 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
 
 def prompt_job(model, prompt, policy, defer_question: bool = False, *, tag: Any = None, about: Any = None,
                streaming=None) -> Job:
-    """The job of one prompt, prefilled through ``policy`` when it is admitted (in chunks where
-    ``streaming`` applies): up to the end of the prompt, or with ``defer_question`` of its media
-    (the question and the template tail are then its suffix, read through the compressed cache)."""
-    upto = prompt.question_start if defer_question else prompt.length
+    """The job of one prompt, prefilled through ``policy`` when it is admitted: up to the end of
+    the prompt, or with ``defer_question`` of its media (the question and the template tail are
+    then its suffix, read through the compressed cache). A prompt :func:`streamed` in chunks
+    always defers its question."""
+    upto = prompt.question_start if defer_question or streamed(prompt, streaming) else prompt.length
     return Job(tag, prompt.inputs["input_ids"][0, upto:].tolist(), length=prompt.length, about=about,
                prefill=lambda: prefill(model, prompt, policy, upto, streaming=streaming))
 

@@ -18,7 +18,7 @@ from typing import Callable, ContextManager
 
 from hybridkv_cli.compression import MethodOptions, Policy
 from hybridkv_cli.engine import Job, Limits, Prefix, decode, prefill, prompt_job
-from hybridkv_cli.engine.stream import Streaming
+from hybridkv_cli.engine.stream import Streaming, streamed
 from hybridkv_cli.io import signals
 from hybridkv_cli.io.errors import ContextLengthError, HybridKVError, ModelError, UsageError, one_line
 from hybridkv_cli.media import MediaInput, load_media, load_media_stream
@@ -206,8 +206,9 @@ class Session:
             if outcome.error is not None:
                 yield outcome.job.tag, failure(p.source if p else "", outcome.error)
                 continue
+            deferred = o.defer_question or streamed(p.prompt, o.streaming)
             yield outcome.job.tag, make_record(self.model(), input_record(p.media, p.prompt), p.question, policy,
-                                               outcome.generation, o.defer_question, outcome.batch)
+                                               outcome.generation, deferred, outcome.batch)
 
     def _decode(self, jobs, limits: Limits, max_new_tokens: int | None = None):
         return decode(lambda: self.model().model, jobs, max_new_tokens=max_new_tokens or self.options.max_new_tokens,
