@@ -1,7 +1,8 @@
 """Choose the streamed prefill's working window on a dev split: needle-colour questions made like
 the demo's training data (a dev seed, not the reported test set's), the trained demo, HybridKV
-at b = 0.1 streamed with windows of 64 to all tokens, beside the full cache and a one-pass
-prefill. Prints one JSON line per length: answers right out of the items.
+at b = 0.1 streamed with windows of 64 to all tokens (the question read after compression),
+beside the full cache and a one-pass prefill with the question read with the media or after
+compression. Prints one JSON line per length: answers right out of the items.
 
     python benchmarks/stream_window.py --frames 64 256 1024 --items 8
 """
@@ -29,11 +30,13 @@ WINDOWS = (64, 256, 1024, 1 << 20)
 
 
 def runs() -> dict:
-    """name -> (policy, streaming or None for one pass)."""
-    out = {"full": (make_policy("full"), None)}
+    """name -> (policy, streaming or None for one pass, question read after compression). A
+    streamed prompt's question is always read after compression."""
+    out = {"full": (make_policy("full"), None, False)}
+    for defer in (False, True):
+        out["one pass" + (", deferred" if defer else "")] = (make_policy("hybridkv", budget=0.1), None, defer)
     for window in WINDOWS:
-        out[f"window {window}"] = (make_policy("hybridkv", budget=0.1), Streaming("on", 256, window))
-    out["one pass"] = (make_policy("hybridkv", budget=0.1), None)
+        out[f"window {window}"] = (make_policy("hybridkv", budget=0.1), Streaming("on", 256, window), True)
     return out
 
 
@@ -51,8 +54,8 @@ def main() -> None:
                 path = Path(folder) / write_item(item, folder, f"{item.id}-{frames}")
                 prompt = build_prompt(demo.processor, load_media([path], frames=frames, max_pixels=max_pixels),
                                       item.qa.question)
-                for name, (policy, streaming) in runs().items():
-                    tokens = generate(demo.model, prompt, policy, 6, streaming=streaming).tokens
+                for name, (policy, streaming, defer) in runs().items():
+                    tokens = generate(demo.model, prompt, policy, 6, defer_question=defer, streaming=streaming).tokens
                     answer = demo.processor.tokenizer.decode(tokens).lower()
                     right[name] = right.get(name, 0) + (item.qa.answer.lower() in answer)
             print(json.dumps({"frames": frames, "items": args.items, "right": right}), flush=True)

@@ -114,8 +114,8 @@ def test_every_method_compresses_a_streamed_prompt(demo, prompt, method):
     assert len(generation.tokens) == 4
 
 
-def test_auto_streams_only_past_the_window():
-    assert not Streaming().applies(16384) and Streaming().applies(16385)
+def test_auto_streams_only_long_media():
+    assert not Streaming().applies(65536) and Streaming().applies(65537)
     assert Streaming("on").applies(10) and not Streaming("off").applies(10 ** 6)
 
 

@@ -65,7 +65,8 @@ DEFER = typer.Option(False, "--defer-question", help="Compress the cache before 
                      "question then goes through the compressed cache (as a later question about an "
                      "already-compressed video would).")
 STREAM = typer.Option("auto", "--stream", help="Prefill in chunks, each layer keeping a bounded working set "
-                      "on the device while it reads: auto (a prompt longer than --stream-window tokens) | on | off.")
+                      "on the device while it reads, the question read after compression: auto (media of more "
+                      "than 65536 tokens, or a video read with --max-frames) | on | off.")
 STREAM_CHUNK = typer.Option(2048, "--stream-chunk", help="Streamed prefill: tokens read per chunk (cut between "
                             "frames, never inside an image or a 2-frame group).")
 STREAM_WINDOW = typer.Option(16384, "--stream-window", help="Streamed prefill: earlier tokens each layer attends to "

@@ -42,13 +42,17 @@ from hybridkv_cli.models.chunks import chunk_bounds, chunk_inputs, visual_units
 SINKS = 4  # the first tokens every working set keeps (attention sinks)
 OBSERVED = 32  # a chunk's last queries whose attention decides what its working set keeps
 MODES = ("auto", "on", "off")
+#: ``--stream auto`` streams media longer than this: past it a one-pass prefill's activations
+#: (and, for a 7B model, each layer's full KV) cost gigabytes, below it one pass reads the
+#: question with the media (a streamed prompt reads it after compression).
+AUTO_TOKENS = 65536
 
 
 @dataclass(frozen=True)
 class Streaming:
-    """How a prompt is prefilled: ``mode`` ``auto`` streams a prompt longer than ``window``
-    tokens, ``on`` every prompt, ``off`` none; ``chunk`` tokens a chunk (about), ``window``
-    tokens each layer's working set keeps on the device while reading."""
+    """How a prompt is prefilled: ``mode`` ``auto`` streams media longer than
+    :data:`AUTO_TOKENS` tokens, ``on`` every prompt, ``off`` none; ``chunk`` tokens a chunk
+    (about), ``window`` tokens each layer's working set keeps on the device while reading."""
 
     mode: str = "auto"
     chunk: int = 2048
@@ -62,7 +66,7 @@ class Streaming:
                 raise UsageError(f"{flag} must be a positive number of tokens, got {value}", flag)
 
     def applies(self, length: int) -> bool:
-        return self.mode == "on" or (self.mode == "auto" and length > self.window)
+        return self.mode == "on" or (self.mode == "auto" and length > AUTO_TOKENS)
 
 
 class WorkingLayer(CacheLayerMixin):
