@@ -208,3 +208,25 @@ def test_a_streamed_video_compressed_once_answers_as_a_deferred_streamed_run(cap
     direct = json.loads(capsys.readouterr().out)
     assert cached["answer"] == direct["answer"] and cached["input"]["frames_used"] == 300
     assert direct["streamed"]["chunks"] >= 3
+
+
+def test_a_token_cap_keeps_device_kv_flat_as_the_video_grows(demo):
+    """--stream-kv-tokens: the same device KV after compression at 32 and 64 frames (b = 0.5 would
+    keep twice as much at 64), and the record says which budget the cap left."""
+    kept = {}
+    for frames in (32, 64):
+        media = load_media([NEEDLE], frames=frames, max_pixels=28 * 28 * 16)
+        p = build_prompt(demo.processor, media, QUESTION)
+        prefix = prefill(demo.model, p, make_policy("snapkv", budget=0.5), p.question_start,
+                         streaming=Streaming("on", 128, 64, kv_tokens=64))
+        kept[frames] = prefix.device_bytes
+        assert prefix.cache.streamed["budget"] == pytest.approx(64 / p.question_start)
+    assert kept[32] == pytest.approx(kept[64], rel=0.05)
+    uncapped = prefill(demo.model, p, make_policy("snapkv", budget=0.5), p.question_start, streaming=Streaming("on"))
+    assert uncapped.device_bytes > 3 * kept[64]
+
+
+def test_full_refuses_a_token_cap(capsys):
+    code = cli.run(["ask", str(NEEDLE), QUESTION, "--model", "demo", "--method", "full", "--stream-kv-tokens", "64"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--stream-kv-tokens" in err and len(err.splitlines()) == 1

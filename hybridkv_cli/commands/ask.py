@@ -12,9 +12,9 @@ import typer
 
 from hybridkv_cli.commands.options import (ALL_OPTIONS, ASK_ARGS, ASK_MODEL, BATCH_SIZE, CONTEXT, CUDA_GRAPHS, DEBUG,
                                            DEFER, DEVICE, DTYPE, EACH, FPS, FRAMES, GPUS_PER_WORKER, JSON, JSONL,
-                                           KV_MEMORY, MAX_PIXELS, OUTPUT, QUESTION, QUESTIONS, QUIET, RAY, RESUME,
-                                           MAX_FRAMES, STREAM, STREAM_CHUNK, STREAM_WINDOW, WORKERS, decode_limits,
-                                           max_frames_arg, method_options, streaming)
+                                           KV_MEMORY, MAX_FRAMES, MAX_PIXELS, OUTPUT, QUESTION, QUESTIONS, QUIET, RAY,
+                                           RESUME, STREAM, STREAM_CHUNK, STREAM_KV_TOKENS, STREAM_WINDOW, WORKERS,
+                                           decode_limits, max_frames_arg, method_options, streaming)
 from hybridkv_cli.io.console import err, print_warning, status
 from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.io.questions import split_args
@@ -32,8 +32,9 @@ def ask(
     each: bool = EACH, jsonl: bool = JSONL, output: Optional[Path] = OUTPUT, resume: bool = RESUME,
     quiet: bool = QUIET, debug: bool = DEBUG, context: Optional[str] = CONTEXT, workers: Optional[int] = WORKERS,
     ray: Optional[str] = RAY, gpus_per_worker: float = GPUS_PER_WORKER, batch_size: Optional[int] = BATCH_SIZE,
-    kv_memory: Optional[str] = KV_MEMORY, cuda_graphs: bool = CUDA_GRAPHS, max_frames: Optional[str] = MAX_FRAMES, stream: str = STREAM,
-    stream_chunk: int = STREAM_CHUNK, stream_window: int = STREAM_WINDOW, options=None,
+    kv_memory: Optional[str] = KV_MEMORY, cuda_graphs: bool = CUDA_GRAPHS, max_frames: Optional[str] = MAX_FRAMES,
+    stream: str = STREAM, stream_chunk: int = STREAM_CHUNK, stream_window: int = STREAM_WINDOW,
+    stream_kv_tokens: Optional[int] = STREAM_KV_TOKENS, options=None,
 ):
     from hybridkv_cli.runs.multi_run import plan_questions, resolve_cache_inputs
     from hybridkv_cli.runs.session import AskOptions, Session
@@ -53,13 +54,14 @@ def ask(
     model, dtype, caches = resolve_cache_inputs(paths, model, dtype)
     multi = asked is not None or caches  # one compression (or a .hkv file), one record per question
     limits = decode_limits(batch_size, kv_memory, cuda_graphs, workers or ray)
-    streams = streaming(stream, stream_chunk, stream_window)
+    streams = streaming(stream, stream_chunk, stream_window, stream_kv_tokens)
     settings = AskOptions(model=model, device=device, dtype=dtype, method=method or "hybridkv",
                           method_given=method is not None, method_options=options, frames=frames, fps=fps,
                           max_frames=max_frames_arg(max_frames, fps, max_pixels, streams), max_pixels=max_pixels,
                           max_new_tokens=max_new_tokens, defer_question=defer_question or multi, streaming=streams)
     stages = status(quiet)
-    session = Session(settings, stage=stages, progress=stages.frames)  # refuses a bad method or option before any input is read
+    # refuses a bad method or option before any input is read
+    session = Session(settings, stage=stages, progress=stages.frames)
     scale = dict(workers=workers, address=ray, gpus_per_worker=gpus_per_worker)
     if multi:
         from hybridkv_cli.runs.multi_run import ask_questions

@@ -9,8 +9,8 @@ from typing import Optional
 import typer
 
 from hybridkv_cli.commands.options import (ALL_OPTIONS, DEBUG, DEVICE, DTYPE, EACH, FPS, FRAMES, MAX_FRAMES,
-                                           MAX_PIXELS, MODEL, QUIET, STREAM, STREAM_CHUNK, STREAM_WINDOW,
-                                           max_frames_arg, method_options, streaming)
+                                           MAX_PIXELS, MODEL, QUIET, STREAM, STREAM_CHUNK, STREAM_KV_TOKENS,
+                                           STREAM_WINDOW, max_frames_arg, method_options, streaming)
 from hybridkv_cli.io.console import err, print_warning, status
 
 
@@ -28,17 +28,17 @@ def compress(
     resume: bool = typer.Option(False, "--resume", help="Skip inputs whose cache file already holds this "
                                 "cache (another model, method or options: compressed again)."),
     max_frames: Optional[str] = MAX_FRAMES, stream: str = STREAM, stream_chunk: int = STREAM_CHUNK,
-    stream_window: int = STREAM_WINDOW,
+    stream_window: int = STREAM_WINDOW, stream_kv_tokens: Optional[int] = STREAM_KV_TOKENS,
     quiet: bool = QUIET, debug: bool = DEBUG, options=None,
 ):
     from hybridkv_cli.runs.inputs import plan_inputs
     from hybridkv_cli.runs.multi_run import run_compress
     from hybridkv_cli.runs.session import AskOptions, Session
 
-    streams, stages = streaming(stream, stream_chunk, stream_window), status(quiet)
+    streams, stages = streaming(stream, stream_chunk, stream_window, stream_kv_tokens), status(quiet)
     session = Session(AskOptions(model=model, device=device, dtype=dtype, method=method, method_options=options,
-                                 frames=frames, fps=fps, max_frames=max_frames_arg(max_frames, fps, max_pixels, streams),
-                                 max_pixels=max_pixels, defer_question=True, streaming=streams),
+                                 frames=frames, fps=fps, max_pixels=max_pixels, defer_question=True, streaming=streams,
+                                 max_frames=max_frames_arg(max_frames, fps, max_pixels, streams)),
                       stage=stages, progress=stages.frames)
     items = plan_inputs(list(args), each=each, stdin=sys.stdin)
     if not items:

@@ -71,6 +71,9 @@ STREAM_CHUNK = typer.Option(2048, "--stream-chunk", help="Streamed prefill: toke
                             "frames, never inside an image or a 2-frame group).")
 STREAM_WINDOW = typer.Option(16384, "--stream-window", help="Streamed prefill: earlier tokens each layer attends to "
                              "while reading (the rest wait in host memory for the compression).")
+STREAM_KV_TOKENS = typer.Option(None, "--stream-kv-tokens", help="Streamed prefill: the compressed KV a head "
+                                "keeps at most, in tokens, however long the video (the budget becomes "
+                                "min(--budget, N / prompt tokens)): device KV flat in length.")
 MAX_FRAMES = typer.Option(None, "--max-frames", help="Read one video as a stream, its frames decoded while the "
                           "prompt is prefilled in chunks: at most N frames (at --fps if given, else N spread over "
                           "it), or 'all' (every frame, or all at --fps). Each frame keeps a 64-frame clip's size.")
@@ -237,11 +240,11 @@ def parse_size(text: str, flag: str) -> int:
     return int(size)
 
 
-def streaming(mode: str, chunk: int, window: int):
+def streaming(mode: str, chunk: int, window: int, kv_tokens: int | None = None):
     """The streaming options (a usage error names a bad one)."""
     from hybridkv_cli.engine.stream import Streaming
 
-    return Streaming(mode, chunk, window)
+    return Streaming(mode, chunk, window, kv_tokens)
 
 
 def max_frames_arg(value: str | None, fps: float | None, max_pixels: int | None, stream) -> int | str | None:

@@ -37,6 +37,9 @@ class PrefillLayer:
     device : torch.device, optional
         Where the layer will be decoded, when its KV sits elsewhere (a streamed prefill
         compresses in host memory for a GPU); None: where ``keys`` are.
+    budget_cap : int, optional
+        At most this many tokens' worth of KV a head (a streamed prefill's
+        ``--stream-kv-tokens``): the budget is then ``min(b, budget_cap / N)``.
     """
 
     index: int
@@ -48,6 +51,7 @@ class PrefillLayer:
     scale: float
     run: dict = dataclasses.field(default_factory=dict)
     device: torch.device | None = None
+    budget_cap: int | None = None
 
     @property
     def decode_device(self) -> torch.device:

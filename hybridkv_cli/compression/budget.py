@@ -36,6 +36,8 @@ class Budget:
 
     @classmethod
     def of(cls, fraction: float, layer: PrefillLayer) -> "Budget":
+        if layer.budget_cap is not None:  # a device cap in tokens (a long streamed prompt)
+            fraction = min(fraction, layer.budget_cap / layer.length)
         return cls(fraction, layer.length, layer.num_heads, 2 * layer.keys.shape[-1] * layer.keys.element_size(),
                    layer.keys.device)
 

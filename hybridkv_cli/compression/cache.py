@@ -115,9 +115,11 @@ class PolicyCache(AttendingCache):
         self.compress_seconds = 0.0  # classification, allocation, pruning, offload: all of compress()
         self.streamed: dict | None = None  # how a streamed prefill read the prompt (None: in one pass)
 
-    def compress_layer(self, index: int, query, key, value, scale: float, device: torch.device | None = None) -> None:
+    def compress_layer(self, index: int, query, key, value, scale: float, device: torch.device | None = None,
+                       budget_cap: int | None = None) -> None:
         """Replace layer ``index``'s full prompt KV by the policy's compressed form (``device``:
-        where it will be decoded, when the KV is elsewhere)."""
+        where it will be decoded, when the KV is elsewhere; ``budget_cap``: tokens a head may
+        keep at most, see :class:`~hybridkv_cli.compression.base.PrefillLayer`)."""
         start = time.perf_counter()
         full_bytes = tensor_bytes(key, value)
         heads = key.shape[1]
@@ -131,6 +133,7 @@ class PolicyCache(AttendingCache):
             scale=scale,
             run=self.run,
             device=device,
+            budget_cap=budget_cap,
         )
         self.layers[index].kv, self.reports[index] = self.policy.compress(prefill)
         # Peak while prefilling: this layer's full KV beside the layers compressed before it.

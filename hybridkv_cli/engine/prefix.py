@@ -90,7 +90,8 @@ class Prefix:
         measurements of the prefill that made it."""
         layers, reports, run = state
         cache = PolicyCache(policy, len(layers), visual)
-        cache.prefill_peak_bytes, cache.compress_seconds, cache.streamed = prefill_peak_bytes, compress_seconds, streamed
+        cache.prefill_peak_bytes, cache.compress_seconds = prefill_peak_bytes, compress_seconds
+        cache.streamed = streamed
         for layer, kv in zip(cache.layers, layers):
             layer.kv, layer.seen, layer.device, layer.is_initialized = kv, seen, device, True
         cache.reports, cache.run = reports, run

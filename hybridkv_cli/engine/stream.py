@@ -52,16 +52,20 @@ AUTO_TOKENS = 65536
 class Streaming:
     """How a prompt is prefilled: ``mode`` ``auto`` streams media longer than
     :data:`AUTO_TOKENS` tokens, ``on`` every prompt, ``off`` none; ``chunk`` tokens a chunk
-    (about), ``window`` tokens each layer's working set keeps on the device while reading."""
+    (about), ``window`` tokens each layer's working set keeps on the device while reading;
+    ``kv_tokens`` caps what the method keeps of a streamed prompt, whatever its length (the
+    budget becomes ``min(b, kv_tokens / N)``), so device KV stays flat as a video grows."""
 
     mode: str = "auto"
     chunk: int = 2048
     window: int = 16384
+    kv_tokens: int | None = None  # the compressed KV a head keeps at most, in tokens (None: the budget's share)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise UsageError(f"--stream must be one of {', '.join(MODES)}, got '{self.mode}'", "--stream")
-        for flag, value in (("--stream-chunk", self.chunk), ("--stream-window", self.window)):
+        for flag, value in (("--stream-chunk", self.chunk), ("--stream-window", self.window),
+                            ("--stream-kv-tokens", 1 if self.kv_tokens is None else self.kv_tokens)):
             if type(value) is not int or value < 1:
                 raise UsageError(f"{flag} must be a positive number of tokens, got {value}", flag)
 
@@ -198,8 +202,9 @@ def stream_prefill(model, inputs: dict, visual: torch.Tensor, policy: Policy, st
                    ) -> tuple[PolicyCache, torch.Tensor, torch.Tensor | None]:
     """``inputs`` (one prompt's, on the model's device, cut at the prefix's end) prefilled in
     chunks and compressed by ``policy``: ``(cache, logits, rope_deltas)``; ``cache.streamed``
-    says how (chunks, tokens a chunk, working window, and the device KV peak while reading:
-    the working sets, before the compressed state takes their place)."""
+    says how (chunks, tokens a chunk, working window, the device KV peak while reading -- the
+    working sets, before the compressed state takes their place --, the cap in tokens and the
+    budget it left)."""
     length = inputs["input_ids"].shape[1]
     units = visual_units(model.config, inputs)
     bounds = chunk_bounds(units, length, streaming.chunk)
@@ -217,7 +222,7 @@ def stream_prefill(model, inputs: dict, visual: torch.Tensor, policy: Policy, st
             keys, values = layer.full()
             tail = layer.tail
             cache.compress_layer(index, tail[None].to(keys.device), keys[None], values[None], stream.scale,
-                                 device=model.device)
+                                 device=model.device, budget_cap=streaming.kv_tokens)
             layer.host_k = layer.host_v = layer.tail = None
             stream.peak_bytes = max(stream.peak_bytes, stream.device_bytes() + cache.device_bytes())
         # What the policy keeps on the device goes there; its host state stays (pinned).
@@ -226,6 +231,7 @@ def stream_prefill(model, inputs: dict, visual: torch.Tensor, policy: Policy, st
         for layer, kv in zip(cache.layers, kvs):
             layer.kv, layer.seen, layer.device, layer.is_initialized = kv, length, model.device, True
     cache.prefill_peak_bytes = stream.peak_bytes
+    budget = policy.budget if streaming.kv_tokens is None else min(policy.budget, streaming.kv_tokens / length)
     cache.streamed = {"chunks": len(bounds), "chunk_tokens": streaming.chunk, "window": streaming.window,
-                      "read_peak_bytes": read_peak}
+                      "read_peak_bytes": read_peak, "kv_tokens": streaming.kv_tokens, "budget": budget}
     return cache, logits, rope

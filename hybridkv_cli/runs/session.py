@@ -93,6 +93,8 @@ class Session:
         # Built now, so a bad method or option is refused before any input is read; a policy
         # is configuration only and serves every generation of the session.
         self.policy = options.method_options.policy(options.method) if options.method else None
+        if options.method == "full" and options.streaming.kv_tokens is not None:
+            raise UsageError("full keeps the whole cache: no --stream-kv-tokens", "--stream-kv-tokens")
         self._sized: set = set()  # the media whose size was checked: one warning per input, however many runs
 
     # --- the steps ---------------------------------------------------------------------------
