@@ -137,6 +137,10 @@ def test_the_cli_streams_and_says_so(capsys):
     assert code == 0 and record["streamed"]["chunks"] == 5 and record["streamed"]["window"] == 16384
     assert record["defer_question"]  # a streamed prompt's question is read after compression
     assert 0 < record["streamed"]["read_peak_bytes"] <= record["kv"]["prefill_peak_bytes"]
+    cli.run(["ask", str(NEEDLE), QUESTION, "--model", "demo", "--max-pixels", str(28 * 28 * 16), "--stream", "on",
+             "--stream-chunk", "128", "--stream-kv-tokens", "32", "--max-new-tokens", "2"])
+    report = capsys.readouterr().out
+    assert "5 chunks of ~128 tokens" in report and "capped at 32 tokens a head" in report
 
 
 def test_a_video_read_while_prefilling_gives_the_eager_prompt_and_tokens(demo, prompt):

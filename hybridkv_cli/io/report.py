@@ -66,6 +66,11 @@ def render(result: dict, console: Console) -> None:
         budget += "; below a usable minimum: too few entries per head for an observation window"
     table.add_row("budget", budget)
     table.add_row("prefill peak", human_bytes(kv["prefill_peak_bytes"]))
+    if result.get("streamed"):  # read in chunks: the working sets' peak, and a cap's budget
+        s = result["streamed"]
+        cap = f"; capped at {s['kv_tokens']} tokens a head (budget {s['budget']:.3g})" if s.get("kv_tokens") else ""
+        table.add_row("streamed", f"{s['chunks']} chunks of ~{s['chunk_tokens']} tokens, window {s['window']}, "
+                      f"{human_bytes(s['read_peak_bytes'])} peak while reading{cap}")
     if result.get("traffic"):
         table.add_row("traffic", f"{human_bytes(round(result['traffic']['h2d_bytes_per_step_mean']))} host->device per step")
     heads = result.get("heads")
