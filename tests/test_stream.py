@@ -234,3 +234,16 @@ def test_full_refuses_a_token_cap(capsys):
     code = cli.run(["ask", str(NEEDLE), QUESTION, "--model", "demo", "--method", "full", "--stream-kv-tokens", "64"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "--stream-kv-tokens" in err and len(err.splitlines()) == 1
+
+
+def test_an_image_set_streams_one_image_a_unit(demo):
+    """Images are units too: a chunk holds whole images, and at b = 1 the streamed set answers as
+    one pass does (with the question read after compression)."""
+    media = load_media([NEEDLE.parent / "images"])
+    prompt = build_prompt(demo.processor, media, "Which picture shows a circle?")
+    units = visual_units(demo.model.config, prompt.inputs)
+    assert [u.kind for u in units] == ["image"] * 3
+    policy = make_policy("hybridkv", budget=1.0)
+    streamed = generate(demo.model, prompt, policy, NEW, streaming=Streaming("on", 64, 1 << 20))
+    assert streamed.cache.streamed["chunks"] >= 3
+    assert streamed.tokens == generate(demo.model, prompt, policy, NEW, defer_question=True).tokens
