@@ -59,7 +59,8 @@ def check_length(prompt: Prompt, limit: int | None, max_new_tokens: int, source:
         raise UsageError(f"the question is too long: {text} text tokens + {max_new_tokens} new tokens exceed the "
                          f"model's context of {limit} tokens", "QUESTION")
     if bulk + text + max_new_tokens > limit:
-        fix = "shorten the context" if prompt.role == "context" else "use fewer --frames, a lower --max-pixels"
+        fix = ("shorten the context" if prompt.role == "context"
+               else "use fewer --frames (or --max-frames, a lower --fps), a lower --max-pixels")
         raise ContextLengthError(
             f"the prompt needs {bulk + text} tokens ({bulk} {prompt.role} + {text} text) + {max_new_tokens} new, "
             f"more than the model's context of {limit} tokens; {fix}, or a lower --max-new-tokens", source)
