@@ -205,6 +205,9 @@ def policy_attention(model):
     everywhere but in its text model. On exit the model's attention implementations are what
     they were and the name :data:`ATTENTION_NAME` is registered only if it was before.
 
+    A block inside another one switches nothing (so a caller that decodes many steps can hold
+    one block around them all instead of switching the model at every step).
+
     No attention-mask function is registered under the name, so transformers builds no mask:
     prefill runs SDPA with ``is_causal`` (what stock SDPA does for an unpadded prompt) and
     decoding reads the compressed layers, which need none.
@@ -213,6 +216,10 @@ def policy_attention(model):
     previous = ({key: getattr(model.config, key)._attn_implementation for key in subs} if subs
                 else model.config._attn_implementation)
     registered = ATTENTION_NAME in ALL_ATTENTION_FUNCTIONS
+    text = previous.get("text_config") if subs else previous
+    if registered and ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] is attend and text == ATTENTION_NAME:
+        yield model  # inside an enclosing block already (a server's worker holds one): nothing to switch
+        return
     ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = attend
     try:
         model.set_attn_implementation({key: ATTENTION_NAME if key == "text_config" else previous[key] for key in subs}

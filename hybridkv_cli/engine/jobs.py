@@ -125,9 +125,10 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
     become an outcome of ``Job(tag, [])``. A live source (a server's queue) may give None for
     "nothing waiting now": the members decode a step and it is asked again. ``on_step``: called
     before every batch step (a stop signal raised there ends the run after the outcomes already
-    yielded). ``watch(members)``: called after every step with the members still decoding (their
-    ``tokens`` so far); the members it returns stop there (a stop string, a client gone) and their
-    outcomes are yielded with the tokens they have. A step that fails (out of memory) ends its
+    yielded). ``watch(members)``: called as a member joins (its first token is seen at once) and
+    after every step, with the members still decoding (their ``tokens`` so far); the members it
+    returns stop there (a stop string, a client gone) and their outcomes are yielded with the
+    tokens they have. A step that fails (out of memory) ends its
     members with that error; the jobs after them go on.
     """
     decoder = None
@@ -199,6 +200,12 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
                 del member
                 if decoder.members:
                     break
+            elif watch is not None:  # its first token is seen now, not after the next step
+                stopped = list(watch(list(decoder.members)))
+                decoder.leave(*stopped)
+                for m in stopped:
+                    yield Outcome(m.job, m.generation(), batch=batch_info(limits, m.joined, m.sizes, m.kv_peak or m.bytes,
+                                                                          m.replayed))
         if decoder is None or not decoder.members:
             if exhausted and not waiting:
                 return

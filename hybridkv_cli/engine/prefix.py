@@ -19,7 +19,7 @@ import torch
 
 from hybridkv_cli.compression import Policy
 from hybridkv_cli.compression.cache import PolicyCache, layer_count, policy_attention
-from hybridkv_cli.engine.graph import clone
+from hybridkv_cli.engine.graph import clone, flatten
 from hybridkv_cli.engine.measure import Meter, now
 from hybridkv_cli.engine.stream import Streaming, positions, stream_prefill
 from hybridkv_cli.models.prompt import Prompt, QuestionTemplate
@@ -61,6 +61,7 @@ class Prefix:
     info: dict = field(default_factory=dict)  # what a record's "input" says about the media
     role: str = "visual"  # the prefix's bulk tokens: "visual" (media) or "context" (a text prompt)
     text_deltas: torch.Tensor | None = None  # mRoPE offset of the text read after the prefix (None: rope_deltas)
+    _flat: tuple | None = field(default=None, repr=False)  # a shared prefix's state flattened once, to clone
 
     def rope_for_suffix(self) -> torch.Tensor | None:
         """The mRoPE offset of a suffix's tokens (a question read after the prefix): where the
@@ -106,7 +107,9 @@ class Prefix:
             cache, self.cache = self.cache, None
             return cache, self.meter
         meter = Meter(device)  # the copy counts as the job's own time
-        return self.cache_of(self.policy, clone(self.state), self.seen, self.visual, device,
+        if self._flat is None:  # a shared prefix is never decoded itself: its flattened state holds
+            self._flat = flatten(self.state)
+        return self.cache_of(self.policy, clone(self.state, self._flat), self.seen, self.visual, device,
                              prefill_peak_bytes=self.prefill_peak_bytes, compress_seconds=self.compress_seconds,
                              streamed=self.cache.streamed), meter
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridkv_cli.compression import MethodOptions, Policy
+from hybridkv_cli.compression.cache import policy_attention
 from hybridkv_cli.engine import Job, Limits, decode
 from hybridkv_cli.io.errors import HybridKVError, UsageError
 from hybridkv_cli.runs.guards import failure
@@ -134,6 +135,12 @@ class Worker:
     # --- the worker thread --------------------------------------------------------------------
     def _run(self) -> None:
         model = lambda: self.session.model().model
+        with policy_attention(model()):  # held while serving: no step or question pass switches the model
+            self._serve(model)
+        for ticket in list(self.inflight) + self._drain():
+            ticket.send("error", ApiError(503, "the server is stopping", type="server_error", code="unavailable"))
+
+    def _serve(self, model) -> None:
         while not self._stopping.is_set():
             try:
                 for outcome in decode(model, self._source(), max_new_tokens=self.session.options.max_new_tokens,
@@ -151,8 +158,6 @@ class Worker:
                     ticket.send("error", from_error(RuntimeError()))
                 self.inflight.clear()
                 self.active = 0
-        for ticket in list(self.inflight) + self._drain():
-            ticket.send("error", ApiError(503, "the server is stopping", type="server_error", code="unavailable"))
 
     def _drain(self) -> list[Ticket]:
         left = []
