@@ -4,9 +4,10 @@ For each method: one input (64 frames of the sample video at Qwen's frame size, 
 tokens with --max-pixels 112896) is answered
 
 * as `ask --defer-question` would, once per question: media decode + processor + vision encoder
-  + prefill + compression + the question + decoding (`Session.answer`, the model already loaded);
+  + prefill + compression + the question + decoding (`Session.ask` of a media request, the model
+  already loaded);
 * compressed once (`Session.compress`), then each question from a copy of that cache
-  (`Session.ask_prefix`);
+  (`Session.ask` of a request with that prefix);
 * saved to a .hkv file, loaded back (`hkv.load`), and asked again.
 
     python benchmarks/multi_question.py --out docs/multi_question.json
@@ -37,6 +38,7 @@ import torch
 
 from hybridkv_cli.engine import hkv
 from hybridkv_cli.runs.inputs import Item
+from hybridkv_cli.runs.requests import Request
 from hybridkv_cli.runs.session import AskOptions, Session
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_media" / "shapes.mp4"
@@ -124,11 +126,12 @@ def main() -> None:
         options = AskOptions(model=args.model, method=method, frames=args.frames, max_pixels=args.max_pixels,
                              max_new_tokens=args.max_new_tokens, defer_question=True)
         session = Session(options)
-        session.answer(item, questions[0])  # warm-up: model load, first-call costs
+        ask = lambda q, **where: session.ask(Request(questions=(q,), **where))  # noqa: E731
+        ask(questions[0], item=item)  # warm-up: model load, first-call costs
         ask_s, ask_answers = [], []
         for q in questions:
             start = time.perf_counter()
-            ask_answers.append(session.answer(item, q)["answer"])
+            ask_answers.append(ask(q, item=item)["answer"])
             ask_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         prefix = session.compress(item)
@@ -136,7 +139,7 @@ def main() -> None:
         question_s, answers, records = [], [], []
         for i, q in enumerate(questions):
             start = time.perf_counter()
-            record = session.ask_prefix(prefix, q, index=i, of=len(questions))
+            record = ask(q, prefix=prefix)
             question_s.append(time.perf_counter() - start)
             answers.append(record["answer"])
             records.append(record)
@@ -148,7 +151,7 @@ def main() -> None:
             start = time.perf_counter()
             loaded = hkv.load(path, session.model())
             load_s = time.perf_counter() - start
-        reloaded = [session.ask_prefix(loaded, q)["answer"] for q in questions]
+        reloaded = [ask(q, prefix=loaded)["answer"] for q in questions]
         kv_bytes = prefix.device_bytes + prefix.host_bytes
         results[method] = {
             "prompt_tokens": prefix.seen + len(prefix.template.suffix(session.model().tokenizer, questions[0])),

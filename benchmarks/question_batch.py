@@ -1,7 +1,7 @@
 """Questions per second of one compressed video's questions decoded together against one by one.
 
 The `hybridkv ask VIDEO -Q q1 ... -Q q8 --batch-size N` path, in one process: `Session.compress`
-once, then `Session.ask_prefix(prefix, questions, limits=Limits(batch_size=N))` for each N,
+once, then `Session.answer` of one request with its questions under `Limits(batch_size=N)` for each N,
 the batch sizes alternating over ``--repeats`` rounds (so a slower stretch of the machine hits
 them alike). Questions/s: the questions over the seconds of the question phase (suffixes fed
 and answers decoded; the compression is outside it). The answers of every batch size are
@@ -25,6 +25,7 @@ import torch
 
 from hybridkv_cli.engine.jobs import Limits
 from hybridkv_cli.runs.inputs import Item
+from hybridkv_cli.runs.requests import Request
 from hybridkv_cli.runs.session import AskOptions, Session
 
 MEDIA = Path(__file__).resolve().parents[1] / "sample_media"
@@ -45,11 +46,12 @@ def questions(path: Path, media: str, count: int) -> list[str]:
 def timed(session: Session, prefix, asked: list[str], batch_size: int) -> tuple[float, list[str]]:
     """Seconds of the question phase at ``batch_size`` and the answers, in question order."""
     start = time.perf_counter()
-    done = dict(session.ask_prefix(prefix, asked, limits=Limits(batch_size=batch_size)))
+    done = {}
+    for answer in session.answer([Request(questions=tuple(asked), prefix=prefix)], Limits(batch_size=batch_size)):
+        if answer.error is not None:
+            raise answer.error
+        done[answer.index] = answer.record
     seconds = time.perf_counter() - start
-    for i, record in done.items():
-        if isinstance(record, BaseException):
-            raise record
     return seconds, [done[i]["answer"] for i in range(len(asked))]
 
 

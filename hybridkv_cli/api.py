@@ -10,6 +10,7 @@ from hybridkv_cli.compression import Policy, make_policy
 from hybridkv_cli.engine.stream import Streaming
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.models.loaded import LoadedModel
+from hybridkv_cli.runs.requests import Request
 from hybridkv_cli.runs.session import AskOptions, Session
 
 
@@ -54,4 +55,4 @@ def ask(
     policy = method if isinstance(method, Policy) else make_policy(method, **options)
     session = Session(AskOptions(model=loaded.name, max_new_tokens=max_new_tokens, defer_question=defer_question,
                                  streaming=streaming), loaded=loaded)
-    return session.run(session.prepare(media, question, context=context), policy)
+    return session.ask(Request(prepared=session.prepare(media, question, context=context), policy=policy))

@@ -36,7 +36,8 @@ from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.library import compress
 from hybridkv_cli.models.prompt import question_ids
 from hybridkv_cli.models.registry import DEFAULT_MODEL
-from hybridkv_cli.runs.session import AskOptions, Prepared, Session
+from hybridkv_cli.runs.requests import Prepared, Request
+from hybridkv_cli.runs.session import AskOptions, Session
 
 __all__ = ["HybridKV", "manifest", "sample_entry"]
 
@@ -141,8 +142,8 @@ class HybridKV(lmms):
     def answer(self, question: str, visuals, *, max_new_tokens: int | None = None) -> dict:
         """The CLI record for ``question`` about ``visuals`` (lmms-eval's ``doc_to_visual`` output:
         PIL images and/or file paths; none: a text prompt)."""
-        return self.session.run(self.prepare(question, visuals), self.session.policy,
-                                max_new_tokens=int(max_new_tokens) if max_new_tokens else None)
+        return self.session.ask(Request(prepared=self.prepare(question, visuals),
+                                        max_new_tokens=int(max_new_tokens) if max_new_tokens else None))
 
     def prepare(self, question: str, visuals) -> Prepared:
         """The CLI's prompt for ``question`` about ``visuals`` (none: a text prompt)."""

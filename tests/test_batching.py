@@ -212,6 +212,26 @@ def test_ask_each_batched_gives_the_one_by_one_answers(demo_loads, capsys, tmp_p
     assert [key(r) for r in again] == ["missing.mp4"]
 
 
+def test_questions_of_every_input_decode_together(demo_loads, capsys):
+    """``-Q`` over many inputs with ``--batch-size``: one request per input, the questions of all
+    of them in one batch (2 inputs x 2 questions fill a batch of 4), each answer the one it gets
+    one question at a time."""
+    from hybridkv_cli import cli
+
+    def run(*extra):
+        code = cli.run(["ask", str(SAMPLES / "shapes.mp4"), str(SAMPLES / "needle.mp4"), "-Q", "What is shown?",
+                        "-Q", "What colour is the star?", "--each", "--jsonl", "--frames", "8", "--max-new-tokens",
+                        "6", "--quiet", *extra])
+        out = capsys.readouterr().out
+        assert code == 0
+        return {(r["input"]["label"], r["question"]): r for r in map(json.loads, out.splitlines())}
+
+    alone, together = run(), run("--batch-size", "4")
+    assert len(together) == 4 and {k: r["answer"] for k, r in together.items()} == \
+        {k: r["answer"] for k, r in alone.items()}
+    assert max(r["batch"]["size_max"] for r in together.values()) == 4
+
+
 def test_cuda_graphs_flag_answers_as_without_it(demo_loads, capsys):
     """``--cuda-graphs`` takes the batch decoder, for one input too (on the CPU nothing is
     replayed): the same answers, each record saying so."""

@@ -251,6 +251,13 @@ def test_context_file_is_a_text_prompt(tmp_path, capsys):
     assert record["input"]["kind"] == "text" and record["input"]["context_tokens"] > 200
     assert cli.run(["ask", "--context", str(notes), "Where is the blue box?", *FAST]) == 0
     assert "context + " in capsys.readouterr().out  # the human report names the roles
+    out = tmp_path / "out.jsonl"  # to a file, as any input's line (and --resume skips it)
+    assert cli.run(["ask", "--context", str(notes), "Where is the blue box?", "-o", str(out), "-q", *FAST]) == 0
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["answer"] == record["answer"] and line["input"]["kind"] == "text"
+    assert cli.run(["ask", "--context", str(notes), "Where is the blue box?", "-o", str(out), "--resume", "-q",
+                    *FAST]) == 0
+    assert len(out.read_text().splitlines()) == 1
 
 
 @pytest.mark.parametrize("argv,code,reason", [

@@ -29,6 +29,7 @@ from hybridkv_cli.models.prompt import build_prompt, chat_text
 from hybridkv_cli.runs import session
 from hybridkv_cli.runs.batch import run_batch
 from hybridkv_cli.runs.inputs import Item, plan_inputs
+from hybridkv_cli.runs.requests import Request
 from hybridkv_cli.runs.session import AskOptions, Session
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -164,14 +165,14 @@ def test_template_tokens_through_the_cli(loads, clip, capsys):
 def test_each_loads_model_once_and_streams_lines(loads, clip, tmp_path, capsys, monkeypatch):
     img = make_image(tmp_path / "ïmage 1.png")
     stdout, lines_before = [], []
-    real_answer = session.Session.answer
+    real_prepare = session.Session.prepare_item
 
-    def answer(self, item, question):  # each line is on stdout before the next input starts
+    def prepare_item(self, item, question, context=None):  # each line is on stdout before the next input starts
         stdout.append(capsys.readouterr().out)
         lines_before.append("".join(stdout).count("\n"))
-        return real_answer(self, item, question)
+        return real_prepare(self, item, question, context)
 
-    monkeypatch.setattr(session.Session, "answer", answer)
+    monkeypatch.setattr(session.Session, "prepare_item", prepare_item)
     code = cli.run(["ask", str(clip), str(img), str(tmp_path / "missing.mp4"), "What?", "--each", "--jsonl", *FAST])
     out, err = capsys.readouterr()
     assert code == 1 and loads == ["demo"]
@@ -268,13 +269,13 @@ def test_bad_inputs_each_get_one_record(demo, tmp_path):
 def test_unexpected_error_is_recorded_and_the_run_goes_on(demo, clip, monkeypatch):
     calls = []
 
-    def flaky(self, item, question, **kw):
+    def flaky(self, outcome):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("boom\nsecond line")
-        return {"input": {"label": item.key}}
+        return {"input": {"label": outcome.job.tag[0].item.key}}
 
-    monkeypatch.setattr(Session, "answer", flaky)
+    monkeypatch.setattr(Session, "record", flaky)
     summary, lines, err = batch([Item((str(clip),)), Item((str(clip),))], Session(OPTS, loaded=demo))
     assert lines[0] == {"input": str(clip), "error": {"type": "RuntimeError", "message": "boom second line"}}
     assert lines[1] == {"input": {"label": str(clip)}}
@@ -341,7 +342,7 @@ def test_prompt_longer_than_the_context(demo, clip, tmp_path, monkeypatch, loads
     assert f"the prompt needs {n_clip} tokens" in msg and f"more than the model's context of {limit} tokens" in msg
     assert "--frames" in msg and "--max-pixels" in msg
     with pytest.raises(ContextLengthError):
-        Session(OPTS, loaded=demo).answer(Item((str(clip),)), q)
+        Session(OPTS, loaded=demo).ask(Request(questions=(q,), item=Item((str(clip),))))
     # a question that alone does not fit is a usage error: it stops the run (exit 2)
     long_q = "why " * limit
     assert cli.run(["ask", str(img), long_q, *FAST]) == 2
@@ -378,9 +379,9 @@ def test_resume_skips_answered_and_retries_failed(demo, clip, tmp_path, monkeypa
     with open(out, "a") as f:
         f.write('{"input": {"label": "half')
     answered = []
-    real = session.Session.answer
-    monkeypatch.setattr(session.Session, "answer",
-                        lambda self, item, q: answered.append(item.key) or real(self, item, q))
+    real = session.Session.prepare_item
+    monkeypatch.setattr(session.Session, "prepare_item",
+                        lambda self, item, q, context=None: answered.append(item.key) or real(self, item, q, context))
     with pytest.warns(UserWarning, match=r"removed an incomplete last line \(\d+ bytes\)"):
         s2, lines, err = batch(items, Session(OPTS, loaded=demo), output=out, resume=True)
     assert answered == [str(missing)] and (s2.ok, s2.failed, s2.skipped, s2.exit_code) == (1, 0, 2, 0)
@@ -410,16 +411,16 @@ def test_output_file_edge_cases(tmp_path):
 
 def test_ctrl_c_keeps_completed_lines(loads, clip, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out.jsonl"
-    real = session.Session.answer
+    real = session.Session.prepare_item
     calls = []
 
-    def answer(self, item, question):
+    def prepare_item(self, item, question, context=None):
         calls.append(item.key)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(self, item, question)
+        return real(self, item, question, context)
 
-    monkeypatch.setattr(session.Session, "answer", answer)
+    monkeypatch.setattr(session.Session, "prepare_item", prepare_item)
     code = cli.run(["ask", str(clip), str(clip), str(clip), "What?", "--each", "-o", str(out), *FAST])
     err = capsys.readouterr().err
     assert code == 130 and len(calls) == 2

@@ -1,7 +1,7 @@
 """``hybridkv serve``: the OpenAI-compatible server on the demo model, through the official client.
 
 One server runs in process for the module (uvicorn in a thread, an API key, a media directory);
-the answers it gives are compared with the CLI's (``Session.answer_all``, what ``hybridkv ask MEDIA
+the answers it gives are compared with the CLI's (``Session.answer`` of a shared request, what ``hybridkv ask MEDIA
 -Q QUESTION`` runs) computed with the same model before the server starts.
 """
 
@@ -94,16 +94,22 @@ def serving(session, settings):
 def server(media_dir):
     """``(base_url, expected answers)``: a served demo model; the answers are the CLI's."""
     from hybridkv_cli.runs.inputs import Item
+    from hybridkv_cli.runs.requests import Request
     from hybridkv_cli.runs.session import AskOptions, Session
     from hybridkv_cli.serve.settings import ServeSettings
 
     session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
-    records = session.answer_all(Item((str(NEEDLE),)), QUESTIONS)
+
+    def answer_all(item, questions, context=None):  # what `hybridkv ask MEDIA -Q ... -Q ...` answers
+        answers = session.answer([Request(questions=tuple(questions), item=item, context=context, shared=True)])
+        return [a.record for a in sorted(answers, key=lambda a: a.index)]
+
+    records = answer_all(Item((str(NEEDLE),)), QUESTIONS)
     expected = {(NEEDLE.name, r["question"]): r["answer"] for r in records}
     expected["record"] = records[QUESTIONS.index("What colour is the star?")]
-    expected[(SHAPES.name, SHAPES_QUESTION)] = session.answer_all(Item((str(SHAPES),)), [SHAPES_QUESTION])[0]["answer"]
-    expected["images"] = session.answer_all(Item(tuple(map(str, IMAGES))), [IMAGE_QUESTION])[0]["answer"]
-    expected["text"] = session.answer_all(Item(()), [TEXT_QUESTION], context=TEXT)[0]["answer"]
+    expected[(SHAPES.name, SHAPES_QUESTION)] = answer_all(Item((str(SHAPES),)), [SHAPES_QUESTION])[0]["answer"]
+    expected["images"] = answer_all(Item(tuple(map(str, IMAGES))), [IMAGE_QUESTION])[0]["answer"]
+    expected["text"] = answer_all(Item(()), [TEXT_QUESTION], context=TEXT)[0]["answer"]
     settings = ServeSettings(model_id="demo", allowed_media_dir=str(media_dir), api_key=KEY,
                              max_body_bytes=2**20, max_messages=64, max_batch=8, queue_size=64)
     with serving(session, settings) as base:
@@ -357,21 +363,24 @@ def test_the_engine_takes_a_live_source_stops_members_and_keeps_each_jobs_limit(
     others' tokens stay those of their runs alone."""
     from hybridkv_cli.engine import Limits, decode
     from hybridkv_cli.runs.inputs import Item
+    from hybridkv_cli.runs.requests import Request
     from hybridkv_cli.runs.session import AskOptions, Session
 
     session = Session(AskOptions(model="demo-random", defer_question=True, max_new_tokens=8))
     prefix = session.compress(Item((str(NEEDLE),)))
     model = lambda: session.model().model
     questions = ["What colour is the star?", "Which shape appears first?"]
-    alone = [next(iter(decode(model, [(0, lambda q=q: session.question_job(prefix, q, 0))], max_new_tokens=8)))
+    job = lambda q, tag, limit=None: session.question_job(prefix, Request(questions=(q,), prefix=prefix,
+                                                                          max_new_tokens=limit), 0, tag=tag)
+    alone = [next(iter(decode(model, [(0, lambda q=q: job(q, 0))], max_new_tokens=8)))
              .generation.tokens for q in questions]
     assert all(len(tokens) > 3 for tokens in alone)
 
     def source():
-        yield 0, lambda: session.question_job(prefix, questions[0], 0)
+        yield 0, lambda: job(questions[0], 0)
         yield None  # nothing waiting: the member decodes a step, and the source is asked again
         yield None
-        yield 1, lambda: session.question_job(prefix, questions[1], 1, max_new_tokens=3)
+        yield 1, lambda: job(questions[1], 1, 3)
 
     stopped = lambda members: [m for m in members if m.job.tag == 0 and len(m.tokens) >= 2]
     got = {o.job.tag: o.generation.tokens for o in decode(model, source(), max_new_tokens=8,

@@ -48,9 +48,8 @@ def ask(
         paths, question = list(args or []) if context is None else [], None
         if context is not None and args:
             raise UsageError("with --context and --question/--questions give no arguments", "arguments")
-    if context is not None and (each or (output is not None and asked is None) or workers or ray):
-        raise UsageError("--context is one text input; --each, --output (without -Q/--questions) and --workers "
-                         "take media inputs", "--context")
+    if context is not None and (each or workers or ray):
+        raise UsageError("--context is one text input; --each and --workers take media inputs", "--context")
     model, dtype, caches = resolve_cache_inputs(paths, model, dtype)
     multi = asked is not None or caches  # one compression (or a .hkv file), one record per question
     limits = decode_limits(batch_size, kv_memory, cuda_graphs, workers or ray)
@@ -76,19 +75,20 @@ def ask(
         raise UsageError("--json prints one object for one input; use --jsonl with --each, - or --output", "--json")
     if resume and output is None:
         raise UsageError("--resume needs --output FILE (the file to resume)", "--resume")
-    if not batch or context is not None:
+    if not batch or context is not None and output is None:
         return _one(session, paths, question, context, limits, as_json or jsonl)
-    return _many(session, paths, question, limits, each=each, jsonl=jsonl, output=output, resume=resume, quiet=quiet,
-                 debug=debug, **scale)
+    return _many(session, paths, question, limits, context=context, each=each, jsonl=jsonl, output=output,
+                 resume=resume, quiet=quiet, debug=debug, **scale)
 
 
 def _one(session, paths: list[str], question: str, context: str | None, limits, as_json: bool) -> int:
     """One input: its errors are raised, its report rendered (or printed as one JSON object)."""
     from hybridkv_cli.runs.inputs import Item, read_context
+    from hybridkv_cli.runs.requests import Request
 
     text = read_context(context) if context is not None else None
     try:
-        result = session.answer(Item(tuple(paths)), question, context=text, limits=limits)
+        result = session.ask(Request(questions=(question,), item=Item(tuple(paths)), context=text), limits)
     except UsageError as e:
         if len(paths) > 1 and "one video per prompt" in e.reason:
             e.reason += "; add --each to ask the question about each file separately"
@@ -104,16 +104,17 @@ def _one(session, paths: list[str], question: str, context: str | None, limits, 
     return 0
 
 
-def _many(session, paths: list[str], question: str, limits, *, each: bool, jsonl: bool, output: Path | None,
-          resume: bool, quiet: bool, debug: bool, workers, address, gpus_per_worker) -> int:
-    """Many inputs, one JSON line (or report) each, on this device or on Ray workers."""
+def _many(session, paths: list[str], question: str, limits, *, context: str | None, each: bool, jsonl: bool,
+          output: Path | None, resume: bool, quiet: bool, debug: bool, workers, address, gpus_per_worker) -> int:
+    """Many inputs (or the one text ``context``, to ``--output``), one JSON line (or report) each,
+    on this device or on Ray workers."""
     from rich.console import Console
 
-    from hybridkv_cli.runs.inputs import plan_inputs
+    from hybridkv_cli.runs.inputs import Item, plan_inputs, read_context
 
     if "-" in paths and sys.stdin is not None and sys.stdin.isatty() and not quiet:
         err.print("reading media paths from stdin, one per line (end with Ctrl-D) ...")
-    items = plan_inputs(paths, each=each, stdin=sys.stdin)
+    items = [Item(())] if context is not None else plan_inputs(paths, each=each, stdin=sys.stdin)
     if not items:
         print_warning("no input paths on stdin; nothing to do")
         return 0
@@ -126,4 +127,5 @@ def _many(session, paths: list[str], question: str, limits, *, each: bool, jsonl
                                gpus_per_worker=gpus_per_worker, **kw).exit_code
     from hybridkv_cli.runs.batch import run_batch
 
-    return run_batch(items, question, session, limits=limits, **kw).exit_code
+    text = read_context(context) if context is not None else None
+    return run_batch(items, question, session, limits=limits, context=text, **kw).exit_code

@@ -107,30 +107,44 @@ def plan_resume(items: list[Item], output, questions, *, console, quiet: bool) -
     return todo, answered
 
 
+def request_of(item: Item, question: str | None, questions=None, answered: set | None = None,
+               context: str | None = None):
+    """The :class:`~hybridkv_cli.runs.requests.Request` of one input: its ``question``, or with
+    ``questions`` (``(question, expected answers)`` pairs) those not ``answered`` already
+    (``--resume``), asked after one shared compression. Its tag: the ``(question, expected)``
+    pairs asked."""
+    from hybridkv_cli.runs.requests import Request
+
+    wanted = [(question, ())] if questions is None else [
+        (q, a) for q, a in questions if not answered or (item.key, q) not in answered]
+    return Request(wanted, tuple(q for q, _ in wanted), item=item, context=context, shared=questions is not None)
+
+
+def result_of(answer) -> dict:
+    """The line of one question answered (:class:`~hybridkv_cli.runs.requests.Answer`): its record,
+    marked against the expected answers when there are any, or its error record with its question."""
+    request = answer.request
+    question, expected = request.tag[answer.index]
+    if answer.error is not None:
+        return {**error_record(request.item.key, answer.error), "question": question}
+    record = answer.record
+    if expected:
+        record["expected"] = list(expected)
+        record["correct"] = is_correct(record["answer"], expected)
+    return record
+
+
 def answer_item(session: Session, item: Item, question: str | None, questions=None, answered: set | None = None,
-                context: str | None = None, on_record=None, limits=None) -> list[dict]:
-    """One input's records (one per question: a question that failed on its own gets an error
-    record with its ``question``); raises what the session raises. ``answered``: the (input,
-    question) pairs ``--resume`` skips. ``on_record(record)``: called with each question's
-    record as soon as it is answered (the caller writes it then). ``limits``: how its questions
-    decode together."""
-    from hybridkv_cli.engine import Limits
-
-    if questions is None:
-        return [session.answer(item, question)]
-    wanted = [(q, a) for q, a in questions if not answered or (item.key, q) not in answered]
-
-    def done(index: int, result: dict) -> None:
-        answers = wanted[index][1]
-        if answers and "error" not in result:
-            result["expected"] = list(answers)
-            result["correct"] = is_correct(result["answer"], answers)
-        if on_record is not None:
-            on_record(result)
-
-    return session.answer_all(item, [q for q, _ in wanted], context=context,
-                              failed=lambda q, e: {**error_record(item.key, e), "question": q}, each=done,
-                              limits=limits or Limits())
+                context: str | None = None) -> list[dict]:
+    """One input's lines, in question order (:func:`request_of`, :func:`result_of`); raises the
+    input's failure (its media or compression, or its one question's)."""
+    results = {}
+    for answer in session.answer([request_of(item, question, questions, answered, context)]):
+        if answer.error is not None and (answer.index is None or questions is None or isinstance(
+                answer.error, (UsageError, ModelError))):
+            raise answer.error
+        results[answer.index] = result_of(answer)
+    return [results[i] for i in sorted(results)]
 
 
 def error_kind(exc: BaseException) -> str:
@@ -251,57 +265,59 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
 
     ``questions`` (``(question, expected answers)`` pairs; then ``question`` is unused): every
     item is compressed once (or loaded from its ``.hkv`` file) and each question answered from
-    that cache, one record per question (:meth:`Session.answer_all`); ``resume`` skips the
-    (input, question) pairs already answered and an input whose questions all are.
+    that cache, one record per question, each written as soon as it is answered; ``resume``
+    skips the (input, question) pairs already answered and an input whose questions all are.
 
-    ``limits`` (an :class:`~hybridkv_cli.engine.Limits` that batches): the inputs are decoded
-    together (:meth:`Session.answer_batched`; with ``questions``: the questions of each input)
-    and their lines come in the order they finish.
+    Every item is a :class:`~hybridkv_cli.runs.requests.Request` to
+    :meth:`Session.answer`: with ``limits`` (an :class:`~hybridkv_cli.engine.Limits` that
+    batches) the questions of all inputs decode together and their lines come in the order they
+    finish; without, one at a time, in order.
     """
+    from hybridkv_cli.engine import Limits
+
     recorder, items, answered = Recorder.start(items, output, resume, questions, console=console, jsonl=jsonl,
                                                human=human, quiet=quiet)
     summary = recorder.summary
-
     progress = Progress(console, len(items), quiet=quiet)
     session.stage = progress.stage
     started: dict[str, float] = {}
-
-    def begin(item: Item) -> Item:
-        signals.raise_if_stopped()  # a stop whose exception a destructor swallowed
-        progress.begin(item.key)
-        started[item.key] = time.perf_counter()
-        return item
-
     single = questions is not None and len(questions) == 1
+    lines: dict[int, list] = {}  # the lines so far of each input in flight
 
-    def one_by_one():  # with questions, each record is written as soon as it is answered
+    def requests():
         for item in items:
-            write = None if questions is None else (lambda r, key=item.key: recorder.question(key, r, single))
-            try:
-                yield item, answer_item(session, begin(item), question, questions, answered, context, write, limits)
-            except (UsageError, ModelError):  # the same for every input: stop the run
-                raise
-            except Exception as e:
-                yield item, e
+            signals.raise_if_stopped()  # a stop whose exception a destructor swallowed
+            progress.begin(item.key)
+            started[item.key] = time.perf_counter()
+            request = request_of(item, question, questions, answered, context)
+            lines[id(request)] = []
+            yield request
 
-    def together():
-        for item, result in session.answer_batched(map(begin, items), question, limits, context):
-            yield item, result if isinstance(result, BaseException) else [result]
+    def finish(request, ok: bool) -> None:
+        key = request.item.key
+        del lines[id(request)]
+        progress.finish(key, ok, time.perf_counter() - started.pop(key))
 
     try:
         with progress:
-            batched = limits is not None and limits.batched and questions is None
-            for item, results in (together() if batched else one_by_one()):
-                seconds = time.perf_counter() - started.pop(item.key)
-                if isinstance(results, BaseException):
-                    if isinstance(results, (UsageError, ModelError)) or (
-                            debug and not isinstance(results, HybridKVError)):
-                        raise results
-                    recorder.failed(item.key, error_record(item.key, results), error_kind(results))
-                    progress.finish(item.key, False, seconds)
+            for answer in session.answer(requests(), limits or Limits()):
+                request, error, key = answer.request, answer.error, answer.request.item.key
+                if error is not None and (isinstance(error, (UsageError, ModelError)) or (
+                        debug and not isinstance(error, HybridKVError))):
+                    raise error
+                if answer.index is None or (error is not None and questions is None):
+                    # its media or compression failed, or its one question: the input's error line
+                    recorder.failed(key, error_record(key, error), error_kind(error))
+                    finish(request, False)
                     continue
-                streamed = questions is not None  # one_by_one wrote them as they came
-                progress.finish(item.key, recorder.answered(item.key, results, streamed), seconds)
+                done = lines[id(request)]
+                done.append(result_of(answer))
+                if questions is None:
+                    finish(request, recorder.answered(key, done))
+                    continue
+                recorder.question(key, done[-1], single)  # written as soon as it is answered
+                if len(done) == len(request.questions):
+                    finish(request, recorder.answered(key, done, streamed=True))
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.io.signals)
         summary.stopped_by = signals.signal_of(e)
     finally:

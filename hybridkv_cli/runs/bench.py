@@ -185,7 +185,7 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
     :class:`~hybridkv_cli.engine.Limits`): one task a wave by default; all of them when
     ``limits`` batches; with ``per_video``, the tasks about one media (or one text context), which
     share one compression per run, every question answered from a copy of it as a deferred
-    question (:meth:`Session.ask_prefix`). The answers are the same whichever the waves (tested).
+    question (:meth:`Session.answer` of one request). The answers are the same whichever the waves (tested).
     """
     from rich.markup import escape
 
@@ -220,8 +220,10 @@ def run_bench(session, tasks: list[Task], methods: list[str], budgets: list[floa
                     results[task.id, method, budget] = _record(task, method, budget, error=error)
                     progress.finish(f"{task.id} {method} b={budget:g}", False, 0.0)
             if number == 0 and ready:  # one-time costs out of every ms/token (a failure shows in the real run)
+                from hybridkv_cli.runs.requests import Request
+
                 with suppress(Exception):
-                    session.run(ready[0][1], policies[REFERENCE, 1.0], max_new_tokens=2)
+                    session.ask(Request(prepared=ready[0][1], policy=policies[REFERENCE, 1.0], max_new_tokens=2))
             references: dict[str, str] = {}  # the full cache's answers, which the others' fidelity compares with
             for method, budget in runs:
                 progress.begin(f"{wave[0].id}{f' (+{len(wave) - 1})' if len(wave) > 1 else ''} {method} b={budget:g}")
@@ -264,17 +266,21 @@ def _prepare(session, wave: list[Task], failed) -> tuple[list, list]:
 def _answers(session, ready: list, policy, limits, per_video: bool):
     """``(task, record or error)`` of every prepared task under ``policy``: each prefilled and
     decoded, or (``per_video``: one media) all from one compression of their media."""
+    from hybridkv_cli.runs.requests import Request
+
     if not per_video:
-        yield from session.decode_together([(task, lambda p=p: p) for task, p in ready], policy, limits)
+        requests = (Request(task, prepared=p, policy=policy) for task, p in ready)
+        for answer in session.answer(requests, limits):
+            yield answer.request.tag, answer.record if answer.error is None else answer.error
         return
-    (head, first), questions = ready[0], [task.question for task, _ in ready]
+    (head, first), questions = ready[0], tuple(task.question for task, _ in ready)
     try:
         prefix = session.compress_media(first.media, context=head.context, source=head.id, policy=policy)
     except Exception as e:
         yield from ((task, e) for task, _ in ready)
         return
-    for i, result in session.ask_prefix(prefix, questions, source=head.id, limits=limits):
-        yield ready[i][0], result
+    for answer in session.answer([Request(head.id, questions, prefix=prefix, label=head.id)], limits):
+        yield ready[answer.index][0], answer.record if answer.error is None else answer.error
 
 
 def aggregate(items: list[dict], runs: list[tuple[str, float]]) -> list[dict]:

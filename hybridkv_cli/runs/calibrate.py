@@ -14,6 +14,7 @@ from pathlib import Path
 from hybridkv_cli.compression.labels import ChannelCalibration
 from hybridkv_cli.io.atomic import write_atomically
 from hybridkv_cli.runs.bench import Task
+from hybridkv_cli.runs.requests import Request
 
 
 def calibrate(session, tasks: list[Task], output: Path, on_run=None) -> dict:
@@ -23,7 +24,7 @@ def calibrate(session, tasks: list[Task], output: Path, on_run=None) -> dict:
     for task in tasks:
         if on_run:
             on_run(task.id)
-        session.run(session.prepare_task(task), policy, max_new_tokens=1)
+        session.ask(Request(prepared=session.prepare_task(task), policy=policy, max_new_tokens=1))
     content = policy.file(session.options.model)
     write_atomically(output, lambda tmp: Path(tmp).write_text(json.dumps(content) + "\n"))
     return content

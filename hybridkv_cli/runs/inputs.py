@@ -29,7 +29,7 @@ class Item:
         same input (a path as given; an image set of several files: ``first + N more``)."""
         from hybridkv_cli.media.paths import set_label  # the media package imports torch: on first use
 
-        return set_label(self.paths)
+        return set_label(self.paths) if self.paths else "text"  # no paths: a text prompt (--context), so labelled
 
 
 def read_context(path: str, stdin: TextIO | None = None) -> str:

@@ -1,7 +1,7 @@
 """The command-line side of one compression, many questions: ``ask -Q ... -Q ...``,
 ``ask --questions FILE``, ``ask clip.hkv QUESTION`` and ``hybridkv compress`` (one cache file per
 input, ``--each`` into a folder, ``--resume``). The work itself is the session's (one shared
-prefix, a job per question: :meth:`~hybridkv_cli.runs.session.Session.answer_all`) and
+prefix, a job per question: :meth:`~hybridkv_cli.runs.session.Session.answer`) and
 :mod:`hybridkv_cli.engine.hkv` (the file format); the loops
 report one line per failure and go on, like :func:`hybridkv_cli.runs.batch.run_batch`.
 """
@@ -59,7 +59,7 @@ def ask_questions(session, paths: list[str], asked: list[tuple[str, tuple[str, .
                   gpus_per_worker: float = 0.0, limits=None) -> int:
     """Answer every question about every input (each compressed once, or read from its ``.hkv``
     file); one record per question, the questions of an input decoded together under ``limits``
-    (an :class:`~hybridkv_cli.engine.Limits`). ``workers`` / ``address``: on Ray workers
+    (an :class:`~hybridkv_cli.engine.Limits`; batching, the questions of all inputs together). ``workers`` / ``address``: on Ray workers
     (:func:`~hybridkv_cli.runs.distributed.run_distributed`, the same records). Returns the exit status."""
     from rich.console import Console
 
@@ -81,7 +81,9 @@ def ask_questions(session, paths: list[str], asked: list[tuple[str, tuple[str, .
     if as_json:
         if len(items) != 1 or len(asked) != 1:
             raise UsageError("--json prints one object for one question about one input; use --jsonl", "--json")
-        record = session.answer_all(items[0], [asked[0][0]], context=text, limits=limits)[0]
+        from hybridkv_cli.runs.requests import Request
+
+        record = session.ask(Request(questions=(asked[0][0],), item=items[0], context=text, shared=True), limits)
         print(json.dumps(record), flush=True)
         return 0
     single = len(items) == 1 and output is None and not jsonl

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 from hybridkv_cli.compression import make_policy
 from hybridkv_cli.runs.fidelity import rouge_l
-from hybridkv_cli.runs.session import Prepared, Session
+from hybridkv_cli.runs.requests import Prepared, Request
+from hybridkv_cli.runs.session import Session
 
 SWEEP_BUDGETS = (0.05, 0.1, 0.2, 0.4, 1.0)
 
@@ -27,7 +28,7 @@ def profile(
     def run(label: str, policy) -> dict:
         if on_run:
             on_run(label)
-        return session.run(prepared, policy)
+        return session.ask(Request(prepared=prepared, policy=policy))
 
     profiled = session.policy
     reference = run("full", make_policy("full"))

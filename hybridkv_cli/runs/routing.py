@@ -18,6 +18,7 @@ from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.runs.answers import is_correct
 from hybridkv_cli.runs.bench import Task
 from hybridkv_cli.runs.fidelity import rouge_l
+from hybridkv_cli.runs.requests import Request
 
 
 def build_route(session, tasks: list[Task], methods: list[str], budget: float, output: Path,
@@ -34,7 +35,7 @@ def build_route(session, tasks: list[Task], methods: list[str], budget: float, o
         make_policy(name, budget=budget)
     num_layers = session.model().num_layers
     prepared = [session.prepare_task(t) for t in tasks]
-    reference = [session.run(p, make_policy("full"))["answer"] for p in prepared]
+    reference = [session.ask(Request(prepared=p, policy=make_policy("full")))["answer"] for p in prepared]
     scores = {m: [[] for _ in range(num_layers)] for m in methods}
     for layer in range(num_layers):
         for method in methods:
@@ -43,7 +44,7 @@ def build_route(session, tasks: list[Task], methods: list[str], budget: float, o
             for task, prep, ref in zip(tasks, prepared, reference):
                 if on_run:
                     on_run(f"layer {layer} {method} {task.id}")
-                answer = session.run(prep, policy)["answer"]
+                answer = session.ask(Request(prepared=prep, policy=policy))["answer"]
                 scores[method][layer].append((is_correct(answer, task.answers) if task.answers else None,
                                               rouge_l(answer, ref)))
     profile = {"budget": budget, "tasks": len(tasks), "methods": methods, "per_layer": []}

@@ -2,19 +2,23 @@
 
     inputs -> media -> prompt -> prefill(policy) -> decode(jobs) -> record
 
-``hybridkv ask`` (one input or many), ``profile`` and ``bench`` all answer through a
-:class:`Session`. It loads the model on first need (after the first input's media, so a bad
-first file fails before a long model load), builds each prompt once (the chat template rendered
-once; the context check reads the built prompt), runs one generation per policy, and maps
-every failure -- out-of-memory included -- to a one-line :class:`~hybridkv_cli.io.errors.HybridKVError`
-here and nowhere else.
+``hybridkv ask`` (one input or many, one question or many), ``profile``, ``bench``, the library
+and the server all answer through a :class:`Session`, in one currency: a
+:class:`~hybridkv_cli.runs.requests.Request` (media, a ``.hkv`` file, a built prompt or a ready
+prefix; its questions; its policy). :meth:`Session.answer` plans requests into engine jobs (the
+memory guard inside each job's prefill, every failure an answer of its own, so the engine never
+calls back up) and builds every record with one :meth:`Session.record`. It loads the model on
+first need (after the first input's media, so a bad first file fails before a long model load),
+builds each prompt once (the chat template rendered once; the context check reads the built
+prompt), and maps every failure -- out-of-memory included -- to a one-line
+:class:`~hybridkv_cli.io.errors.HybridKVError` here and nowhere else.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterable, Iterator
 
 from hybridkv_cli.compression import MethodOptions, Policy
 from hybridkv_cli.engine import Job, Limits, Prefix, decode, prefill, prompt_job
@@ -29,6 +33,7 @@ from hybridkv_cli.runs.guards import (check_length, check_new_tokens, check_stre
                                       guarded, is_oom, warn_if_large)
 from hybridkv_cli.runs.inputs import Item
 from hybridkv_cli.runs.record import input_record, make_record, prefix_record
+from hybridkv_cli.runs.requests import Answer, Prepared, Request
 
 
 @dataclass(frozen=True)
@@ -48,17 +53,6 @@ class AskOptions:
     defer_question: bool = False  # compress before the question is read (its tokens then decode as a suffix)
     method_given: bool = True  # --method was given (a .hkv input with another method is refused)
     streaming: Streaming = Streaming()  # when and how a long prompt is prefilled in chunks
-
-
-@dataclass
-class Prepared:
-    """One input made ready: its media (None: a text prompt), the built prompt, the question,
-    and the name errors give it."""
-
-    media: MediaInput | None
-    prompt: Prompt
-    question: str
-    source: str
 
 
 #: ``--max-frames all`` without ``--fps``: every frame of the video.
@@ -151,28 +145,6 @@ class Session:
             warn_if_large(media, prompt.visual_tokens)
         return Prepared(media, prompt, question, source)
 
-    def prepare_task(self, task) -> Prepared:
-        """:meth:`prepare` for a task row (bench's format: ``media`` paths or a text ``context``)."""
-        return self.prepare(self.load_media(task.media) if task.media else None, task.question,
-                            context=task.context, source=task.id)
-
-    def run(self, prepared: Prepared, policy: Policy, *, max_new_tokens: int | None = None) -> dict:
-        """Generate with ``policy`` and return the result record (README, "JSON output")."""
-        with self.stage(f"answering ({policy.name}, budget {policy.budget:g}) ..."):
-            (_, record), = self.decode_together([(None, lambda: prepared)], policy, Limits(), max_new_tokens)
-        if isinstance(record, BaseException):
-            raise record
-        return record
-
-    # --- the straight line -------------------------------------------------------------------
-    def answer(self, item: Item, question: str, context: str | None = None, limits: Limits = Limits()) -> dict:
-        """The result record for ``item`` (no paths: a text prompt about ``context``); raises a
-        :class:`HybridKVError` for a bad input."""
-        (_, record), = self.answer_batched([item], question, limits, context)
-        if isinstance(record, BaseException):
-            raise record
-        return record
-
     def prepare_item(self, item: Item, question: str, context: str | None = None) -> Prepared:
         """``item``'s media loaded and its prompt built (no paths: a text prompt about ``context``)."""
         if item.error is not None:
@@ -180,54 +152,27 @@ class Session:
         media = self.load_media(item.paths) if item.paths else None
         return self.prepare(media, question, context=context, source=item.key if item.paths else None)
 
-    def answer_batched(self, items, question: str, limits: Limits, context: str | None = None):
-        """``(item, record)`` of every item, decoded together under ``limits``, in the order they
-        finish; a failed input's record is its :class:`HybridKVError` (or the exception) instead.
-        A batching run's records say how they were batched (``batch``). ``items`` are read as the
-        batch has room for them."""
-        jobs = ((item, lambda item=item: self.prepare_item(item, question, context)) for item in items)
-        return self.decode_together(jobs, self.policy, limits)
-
-    def decode_together(self, jobs, policy: Policy, limits: Limits, max_new_tokens: int | None = None):
-        """``(tag, record or error)`` of ``jobs`` (``(tag, prepare)`` pairs, ``prepare()`` giving
-        a :class:`Prepared`): each prefilled up to its question (all of it unless the question is
-        deferred) and decoded under ``limits`` (see :func:`hybridkv_cli.engine.jobs.decode`)."""
-        o = self.options
-
-        def job(tag, prepare) -> Job:
-            prepared = prepare()
-            job = prompt_job(self.model().model, prepared.prompt, policy, o.defer_question, tag=tag, about=prepared,
-                             streaming=o.streaming)
-            unguarded = job.prefill
-            job.prefill = lambda: guarded(prepared.source, unguarded)
-            return job
-
-        engine_jobs = ((tag, lambda tag=tag, prepare=prepare: job(tag, prepare)) for tag, prepare in jobs)
-        for outcome in self._decode(engine_jobs, limits, max_new_tokens):
-            p = outcome.job.about
-            if outcome.error is not None:
-                yield outcome.job.tag, failure(p.source if p else "", outcome.error)
-                continue
-            deferred = o.defer_question or streamed(p.prompt, o.streaming)
-            yield outcome.job.tag, make_record(self.model(), input_record(p.media, p.prompt), p.question, policy,
-                                               outcome.generation, deferred, outcome.batch)
-
-    def _decode(self, jobs, limits: Limits, max_new_tokens: int | None = None):
-        return decode(lambda: self.model().model, jobs, max_new_tokens=max_new_tokens or self.options.max_new_tokens,
-                      limits=limits, on_step=signals.raise_if_stopped)
+    def prepare_task(self, task) -> Prepared:
+        """:meth:`prepare` for a task row (bench's format: ``media`` paths or a text ``context``)."""
+        return self.prepare(self.load_media(task.media) if task.media else None, task.question,
+                            context=task.context, source=task.id)
 
     # --- one compression, many questions --------------------------------------------------------
-    def compress(self, item: Item, context: str | None = None) -> Prefix:
-        """``item``'s prefix (media, or the text ``context``) prefilled and compressed once, with
-        no question read; a ``.hkv`` item is loaded from its file instead."""
+    def compress(self, item: Item, context: str | None = None, policy: Policy | None = None) -> Prefix:
+        """``item``'s prefix (media, or the text ``context``) prefilled and compressed once with
+        ``policy`` (default: the session's), with no question read; a ``.hkv`` item is loaded
+        from its file instead (its records then name the file)."""
         from hybridkv_cli.engine import hkv
 
         if item.error is not None:
             raise item.error
         if item.paths and len(item.paths) == 1 and hkv.is_cache_path(item.paths[0]):
-            return self.load_cache(item.paths[0])
+            prefix = self.load_cache(item.paths[0])
+            prefix.info = {**prefix.info, "media_label": prefix.info.get("label"), "label": item.key,
+                           "cache_file": item.paths[0]}
+            return prefix
         media = self.load_media(item.paths) if item.paths else None
-        return self.compress_media(media, context=context, source=item.key if item.paths else None)
+        return self.compress_media(media, context=context, source=item.key if item.paths else None, policy=policy)
 
     def compress_media(self, media: MediaInput | None, *, context: str | None = None, source: str | None = None,
                        policy: Policy | None = None) -> Prefix:
@@ -264,63 +209,103 @@ class Session:
         with self.stage("loading the compressed cache ..."):
             return guarded(path, hkv.load, path, self.model(), o.method if o.method_given else None)
 
-    def ask_prefix(self, prefix: Prefix, questions: list[str], *, limits: Limits = Limits(), source: str = "",
-                   cache_file: str | None = None):
-        """``(index, record or error)`` of each question answered from a copy of ``prefix``, in
-        the order they finish (decoded together under ``limits``); a question too long for the
-        model's context is its own :class:`ContextLengthError`."""
-        loaded, o = self.model(), self.options
-        check_new_tokens(o.max_new_tokens, loaded.context_limit)
-        context_tokens = prefix.seen - int(prefix.visual.sum())
-        job = lambda i: self.question_job(prefix, questions[i], i, source=source)
-        stage = f"answering {len(questions)} question{'s' if len(questions) > 1 else ''} ..."
-        with self.stage(stage):
-            for outcome in self._decode(((i, lambda i=i: job(i)) for i in range(len(questions))), limits):
-                i = outcome.job.tag
-                if outcome.error is not None:
-                    yield i, failure(source, outcome.error)
-                    continue
-                text = context_tokens + len(outcome.job.suffix)
-                record = make_record(loaded, {**prefix.info, "text_tokens": text}, questions[i], prefix.policy,
-                                     outcome.generation, True, outcome.batch)
-                yield i, prefix_record(record, prefix, index=i, of=len(questions), cache_file=cache_file)
+    # --- answering requests --------------------------------------------------------------------
+    def answer(self, requests: Iterable[Request], limits: Limits = Limits()) -> Iterator[Answer]:
+        """An :class:`Answer` for each question of ``requests``, decoded together under ``limits``
+        in the order they finish (see :func:`hybridkv_cli.engine.jobs.decode`). ``requests`` are
+        read as the batch has room for them: a shared request is compressed (or loaded from its
+        ``.hkv`` file) when its first question can join, once for all its questions."""
+        o = self.options
+        jobs = decode(lambda: self.model().model, self._plan(requests), max_new_tokens=o.max_new_tokens,
+                      limits=limits, on_step=signals.raise_if_stopped)
+        for outcome in jobs:
+            request, index = outcome.job.tag
+            answer = None
+            if outcome.error is None:
+                try:
+                    answer = Answer(request, index, record=self.record(outcome))
+                except Exception as e:  # its record failed: its answer is that error, the others go on
+                    outcome.error = e
+            yield answer or Answer(request, index, error=failure(request.source, outcome.error))
 
-    def question_job(self, prefix: Prefix, question: str, tag, *, source: str = "",
-                     max_new_tokens: int | None = None) -> Job:
-        """The job of ``question`` asked about a copy of the shared ``prefix`` (``max_new_tokens``:
-        its own limit, else the session's); a :class:`ContextLengthError` when the prompt and the
-        tokens to generate do not fit the model's context."""
-        loaded = self.model()
-        new, limit = max_new_tokens or self.options.max_new_tokens, loaded.context_limit
-        suffix = prefix.template.suffix(loaded.tokenizer, question)
-        if limit and prefix.seen + len(suffix) + new > limit:
-            raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {new} new, more than "
-                                     f"the model's context of {limit} tokens", source)
-        return Job(tag, suffix, prefix=prefix, max_new_tokens=max_new_tokens)
+    def ask(self, request: Request, limits: Limits = Limits()) -> dict:
+        """The record of ``request``'s one question (:meth:`answer`); raises its error."""
+        policy = request.policy or (request.prefix.policy if request.prefix is not None else self.policy)
+        with self.stage(f"answering ({policy.name}, budget {policy.budget:g}) ..."):
+            answer, = self.answer([request], limits)
+        if answer.error is not None:
+            raise answer.error
+        return answer.record
 
-    def answer_all(self, item: Item, questions: list[str], context: str | None = None,
-                   failed: Callable[[str, HybridKVError], dict] | None = None,
-                   each: Callable[[int, dict], None] | None = None, limits: Limits = Limits()) -> list[dict]:
-        """One record per question about ``item``, compressed once (a ``.hkv`` item: loaded), in
-        question order. ``failed(question, error)``: the record of a question that fails on its own
-        (too long for the context, out of memory), so the other questions keep their answers (None:
-        raise). ``each(index, record)`` is called with every record as soon as it exists (the run
-        writes it then: a stop loses at most the questions in flight)."""
+    def _plan(self, requests: Iterable[Request]):
+        """The engine's ``(tag, make)`` jobs of ``requests``, tagged ``(request, question index)``
+        (index None: the request's own failure, before any question)."""
         from hybridkv_cli.engine import hkv
 
-        prefix = self.compress(item, context=context)
-        cache_file = item.paths[0] if item.paths and hkv.is_cache_path(item.paths[0]) else None
-        if cache_file is not None:
-            prefix.info = {**prefix.info, "media_label": prefix.info.get("label"), "label": item.key}
-        records: dict[int, dict] = {}
-        for i, record in self.ask_prefix(prefix, questions, limits=limits, cache_file=cache_file,
-                                         source=item.key if item.paths else "--context"):
-            if isinstance(record, BaseException):
-                if isinstance(record, (UsageError, ModelError)) or failed is None or not isinstance(
-                        record, HybridKVError):
-                    raise record
-                record = failed(questions[i], record)
-            records[i] = record
-            if each is not None:
-                each(i, record)
-        return [records[i] for i in sorted(records)]
+        for request in requests:
+            item = request.item
+            if not (request.shared or item is not None and len(item.paths) == 1 and hkv.is_cache_path(item.paths[0])):
+                for i in range(len(request.questions)):
+                    yield (request, i), lambda request=request, i=i: self._prompt_job(request, i)
+                continue
+            try:
+                prefix = self._prefix(request)
+            except Exception as e:  # its questions cannot be asked: one failure for the request
+                yield (request, None), lambda e=e: _raise(e)
+                continue
+            for i in range(len(request.questions)):
+                yield (request, i), lambda request=request, i=i, prefix=prefix: self.question_job(prefix, request, i)
+
+    def _prompt_job(self, request: Request, index: int) -> Job:
+        """The job of a question read in its prompt, prefilled through the request's policy when
+        it is admitted (the memory guard inside: a failure names the input)."""
+        prepared = request.prepared or self.prepare_item(request.item, request.questions[index], request.context)
+        job = prompt_job(self.model().model, prepared.prompt, request.policy or self.policy,
+                         self.options.defer_question, tag=(request, index), about=prepared,
+                         streaming=self.options.streaming)
+        job.max_new_tokens = request.max_new_tokens
+        unguarded = job.prefill
+        job.prefill = lambda: guarded(prepared.source, unguarded)
+        return job
+
+    def _prefix(self, request: Request) -> Prefix:
+        """A shared request's prefix: given, or :meth:`compress` of its item now."""
+        if request.prefix is not None:
+            return request.prefix
+        check_new_tokens(request.max_new_tokens or self.options.max_new_tokens, self.model().context_limit)
+        return self.compress(request.item, request.context, request.policy)
+
+    def question_job(self, prefix: Prefix, request: Request, index: int, tag=None) -> Job:
+        """The job of question ``index`` of ``request`` asked about a copy of the shared
+        ``prefix`` (``tag``: the engine's tag, by default ``(request, index)``); a
+        :class:`ContextLengthError` when the prompt and the tokens to generate do not fit the
+        model's context."""
+        loaded = self.model()
+        new, limit = request.max_new_tokens or self.options.max_new_tokens, loaded.context_limit
+        suffix = prefix.template.suffix(loaded.tokenizer, request.questions[index])
+        if limit and prefix.seen + len(suffix) + new > limit:
+            raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {new} new, more than "
+                                     f"the model's context of {limit} tokens", request.source)
+        return Job((request, index) if tag is None else tag, suffix, prefix=prefix, about=(request, index),
+                   max_new_tokens=request.max_new_tokens)
+
+    def record(self, outcome) -> dict:
+        """The result record (README, "JSON output") of a job's generation: a question read in
+        its prompt, or one read after a shared prefix (then with its ``shared`` fields)."""
+        job, loaded = outcome.job, self.model()
+        if isinstance(job.about, Prepared):
+            p = job.about
+            deferred = self.options.defer_question or streamed(p.prompt, self.options.streaming)
+            return make_record(loaded, input_record(p.media, p.prompt), p.question, job.prefix.policy,
+                               outcome.generation, deferred, outcome.batch)
+        (request, index), prefix = job.about, job.prefix
+        info = {k: v for k, v in prefix.info.items() if k != "cache_file"}
+        info["text_tokens"] = prefix.seen - int(prefix.visual.sum()) + len(job.suffix)
+        record = make_record(loaded, info, request.questions[index], prefix.policy, outcome.generation, True,
+                             outcome.batch)
+        return prefix_record(record, prefix, index=index, of=len(request.questions),
+                             cache_file=prefix.info.get("cache_file"))
+
+
+def _raise(error: BaseException):
+    raise error

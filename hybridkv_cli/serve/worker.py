@@ -31,7 +31,7 @@ from hybridkv_cli.compression.cache import policy_attention
 from hybridkv_cli.engine import Job, Limits, decode
 from hybridkv_cli.io.errors import HybridKVError, UsageError
 from hybridkv_cli.runs.guards import failure
-from hybridkv_cli.runs.record import make_record
+from hybridkv_cli.runs.requests import Request
 from hybridkv_cli.runs.session import Session
 from hybridkv_cli.serve.answer_text import AnswerText
 from hybridkv_cli.serve.errors import ApiError, bad_request, from_error
@@ -194,8 +194,8 @@ class Worker:
         ticket.refs = []  # decoded: the bytes can go
         tokenizer = self.session.model().tokenizer
         ticket.text = AnswerText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), chat.stop)
-        return self.session.question_job(prefix, chat.question, ticket, max_new_tokens=chat.max_tokens,
-                                         source="request")
+        request = Request(ticket, (chat.question,), prefix=prefix, max_new_tokens=chat.max_tokens, label="request")
+        return self.session.question_job(prefix, request, 0, tag=ticket)
 
     def _compress(self, ticket: Ticket):
         """The request's media (or text) prefilled and compressed with its policy, as ``ask -Q`` does."""
@@ -253,9 +253,7 @@ class Worker:
             return
         job, run = outcome.job, outcome.generation
         prefix = job.prefix
-        text_tokens = prefix.seen - int(prefix.visual.sum()) + len(job.suffix)  # as ask -Q counts them
-        record = make_record(self.session.model(), {**prefix.info, "text_tokens": text_tokens},
-                             ticket.chat.question, prefix.policy, run, True, outcome.batch)
+        record = self.session.record(outcome)  # as ask -Q makes it
         delta = ticket.text.finish(run.tokens)
         limit = job.max_new_tokens or self.session.options.max_new_tokens
         ended = bool(run.tokens) and run.tokens[-1] in self.eos
