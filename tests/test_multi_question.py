@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridkv_cli import cli
 from hybridkv_cli.compression import METHODS, make_policy
@@ -231,3 +232,29 @@ def test_bench_per_video_equals_one_by_one_deferred(clip, tmp_path, capsys):
     for a, b in zip(one_by_one["aggregates"], grouped["aggregates"]):
         assert (a["method"], a["budget"], a["accuracy"], a["fidelity"]) == (b["method"], b["budget"], b["accuracy"],
                                                                             b["fidelity"])
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_copy_shares_the_offloaded_kv_and_no_question_writes_the_kept_state(demo, video, method):
+    """A question decodes a copy of the kept state that shares what nothing writes (the offloaded
+    KV, the landmarks) and copies the rest: after questions every byte the prefix holds is as it
+    was, and the shared storages are the prefix's own memory."""
+    from hybridkv_cli.engine.graph import flatten
+
+    tok = demo.processor.tokenizer
+    p = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
+    template = QuestionTemplate.of(tok, p, TEMPLATE_QUESTION)
+    budget = 1.0 if method == "full" else 0.2
+    prefix = compress_prefix(demo.model, p, make_policy(method, budget=budget, **needed(method)), template)
+    storages, info, _ = flatten(prefix.state)
+    before = {key: data.clone() for key, data in storages.items()}
+    generations = [answer(demo.model, prefix, template.suffix(tok, q), max_new_tokens=NEW) for q in QUESTIONS]
+    assert all(torch.equal(storages[key], data) for key, data in before.items())
+    copied, _, _ = flatten([layer.kv for layer in generations[-1].cache.layers])
+    ours = {data.data_ptr() for key, data in storages.items() if info[key]["fixed"] and data.numel()}
+    theirs = {data.data_ptr() for data in copied.values() if data.numel()}
+    assert ours <= theirs  # shared, not copied
+    assert {data.data_ptr() for key, data in storages.items() if not info[key]["fixed"] and data.numel()}.isdisjoint(
+        theirs)
+    if method in ("hybridkv", "rcr", "retentivekv"):  # methods that offload: their host KV is shared
+        assert ours

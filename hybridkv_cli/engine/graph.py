@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hybridkv_cli.engine.state_kinds import DTYPES, KIND_OF, KINDS, attributes, conforms
+from hybridkv_cli.engine.state_kinds import DTYPES, KIND_OF, KINDS, attributes, conforms, read_only
 
 #: Deepest nesting a tree may have (a state nests a few levels; a deeper tree is not one).
 MAX_DEPTH = 32
@@ -44,6 +44,8 @@ class _Flattener:
         self._storage_keys: dict[tuple, str] = {}
         self._objects: dict[int, int] = {}
         self._alive: list = []  # keeps ids stable while flattening
+        self._fixed = False  # flattening an attribute nothing writes after compression (state_kinds.read_only)
+        self._written: set[str] = set()  # storages some other attribute reaches
 
     def tensor(self, t: torch.Tensor) -> dict:
         storage = t.untyped_storage()
@@ -56,6 +58,8 @@ class _Flattener:
                                       "pinned": bool(t.device.type == "cpu" and storage.nbytes() and t.is_pinned())}
             if storage.nbytes():
                 self._storage_keys[ident] = key
+        if not self._fixed:
+            self._written.add(key)
         return {"T": {"s": key, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                       "stride": list(t.stride()), "off": t.storage_offset()}}
 
@@ -84,15 +88,23 @@ class _Flattener:
         if state.keys() != declared.keys():
             raise GraphError(f"a {kind} holds {sorted(state.keys() ^ declared.keys())}, which its kind does not "
                              "declare: declare it in hybridkv_cli/engine/state_kinds.py (a new cache format)")
-        return {"O": kind, "id": n, "s": {k: self(v) for k, v in state.items()}}
+        fixed, flat = read_only(kind), {}
+        for k, v in state.items():
+            self._fixed = k in fixed
+            flat[k] = self(v)
+        self._fixed = False
+        return {"O": kind, "id": n, "s": flat}
 
 
 def flatten(graph: Any) -> tuple[dict[str, torch.Tensor], dict[str, dict], Any]:
     """``(storages, storage_info, tree)`` of ``graph`` (see the module docstring). The storages
-    are byte views of the live tensors' storages, not copies."""
+    are byte views of the live tensors' storages, not copies; a storage's info says its device,
+    whether it is pinned, and whether only attributes nothing writes reach it (``fixed``)."""
     f = _Flattener()
     with torch.inference_mode():
         tree = f(graph)
+    for key, info in f.storage_info.items():
+        info["fixed"] = key not in f._written
     return f.storages, f.storage_info, tree
 
 
@@ -200,14 +212,17 @@ def rebuild(storages: dict[str, torch.Tensor], tree: Any) -> Any:
 
 
 def clone(graph: Any, flat: tuple | None = None) -> Any:
-    """An independent copy of ``graph``: every storage copied once (views stay views of the copy,
-    pinned host memory stays pinned), every object new. ``flat``: ``flatten(graph)`` made
-    earlier, for a graph cloned many times that does not change."""
+    """A copy of ``graph`` that decodes independently: every object new, every storage copied
+    once (views stay views of the copy, pinned host memory stays pinned) but the ``fixed`` ones
+    -- the offloaded KV and its landmarks, which nothing writes -- shared. ``flat``:
+    ``flatten(graph)`` made earlier, for a graph cloned many times that does not change."""
     storages, info, tree = flat or flatten(graph)
     with torch.inference_mode():
         copies = {}
         for key, data in storages.items():
-            if info[key]["pinned"]:
+            if info[key]["fixed"]:
+                copies[key] = data
+            elif info[key]["pinned"]:
                 copies[key] = torch.empty(data.shape, dtype=torch.uint8, pin_memory=True).copy_(data)
             else:
                 copies[key] = data.clone()

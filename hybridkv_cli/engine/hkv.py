@@ -124,7 +124,7 @@ def save(path: str | os.PathLike, prefix: Prefix, loaded) -> int:
         "template": {"head": prefix.template.head, "tail": prefix.template.tail},
         "prefix_dtypes": dtypes,
         "prefix_on_visual": on_visual,
-        "storages": info,
+        "storages": {key: {"device": i["device"], "pinned": i["pinned"]} for key, i in info.items()},
         "tree": tree,
         "input": prefix.info,
         "role": prefix.role,

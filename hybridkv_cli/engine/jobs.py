@@ -142,6 +142,16 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
         members = decoder.members if decoder is not None else ()
         return bool(members) and limits.most is not None and len(members) >= limits.most
 
+    def watched() -> list:  # the members watch stops now (they leave)
+        stopped = list(watch(list(decoder.members))) if watch is not None and decoder.members else []
+        decoder.leave(*stopped)
+        return stopped
+
+    def finished(members) -> Iterator[Outcome]:  # members that left: their generations
+        for m in members:
+            yield Outcome(m.job, m.generation(), batch=batch_info(limits, m.joined, m.sizes, m.kv_peak or m.bytes,
+                                                                  m.replayed))
+
     def room_for(job: Job, measured: int | None) -> bool:
         if decoder is None or not decoder.members:
             return True
@@ -200,12 +210,8 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
                 del member
                 if decoder.members:
                     break
-            elif watch is not None:  # its first token is seen now, not after the next step
-                stopped = list(watch(list(decoder.members)))
-                decoder.leave(*stopped)
-                for m in stopped:
-                    yield Outcome(m.job, m.generation(), batch=batch_info(limits, m.joined, m.sizes, m.kv_peak or m.bytes,
-                                                                          m.replayed))
+            else:  # its first token is seen now, not after the next step
+                yield from finished(watched())
         if decoder is None or not decoder.members:
             if exhausted and not waiting:
                 return
@@ -220,13 +226,7 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
             for m in failed:
                 yield Outcome(m.job, error=e)
             continue
-        if watch is not None and decoder.members:
-            stopped = list(watch(list(decoder.members)))
-            decoder.leave(*stopped)
-            done += stopped
-        for m in done:
-            yield Outcome(m.job, m.generation(), batch=batch_info(limits, m.joined, m.sizes, m.kv_peak or m.bytes,
-                                                                  m.replayed))
+        yield from finished(done + watched())
 
 
 def prompt_job(model, prompt, policy, defer_question: bool = False, *, tag: Any = None, about: Any = None,

@@ -95,6 +95,23 @@ def attributes(kind: str) -> dict[str, object]:
     return {**{k: v for k, v in fields.items() if k in names}, **extra}
 
 
+#: Kinds whose every attribute is fixed once a layer is compressed (what ranks the offloaded KV).
+_LANDMARKS = frozenset({"LowRankKeys", "QuantKeys", "HostKeys", "LabelKeys", "MeanLandmarks", "MinMaxLandmarks"})
+#: The offloaded prompt KV of the kinds that hold it, read by decoding and never written.
+_HOST_KV = frozenset({"host_k", "host_v"})
+
+
+@cache
+def read_only(kind: str) -> frozenset[str]:
+    """The attributes of ``kind`` whose tensors nothing writes once a layer is compressed: the
+    offloaded prompt KV and every landmark. A copy of a compressed state shares them
+    (:func:`hybridkv_cli.engine.graph.clone`), so a question about a kept prefix copies what its
+    decoding writes (the store, the slots, the counters), not the host KV."""
+    if kind in _LANDMARKS:
+        return frozenset(attributes(kind))
+    return _HOST_KV if kind in ("DynamicHeads", "Refresher", "RetentiveLayerKV") else frozenset()
+
+
 def schema_digest() -> str:
     """A digest of every kind and its attributes: a file written under another schema is another format."""
     text = ";".join(f"{kind}:{','.join(sorted(attributes(kind)))}" for kind in sorted(KINDS))

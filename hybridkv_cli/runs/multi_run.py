@@ -59,7 +59,8 @@ def ask_questions(session, paths: list[str], asked: list[tuple[str, tuple[str, .
                   gpus_per_worker: float = 0.0, limits=None) -> int:
     """Answer every question about every input (each compressed once, or read from its ``.hkv``
     file); one record per question, the questions of an input decoded together under ``limits``
-    (an :class:`~hybridkv_cli.engine.Limits`; batching, the questions of all inputs together). ``workers`` / ``address``: on Ray workers
+    (an :class:`~hybridkv_cli.engine.Limits`; batching, the questions of all inputs together).
+    ``workers`` / ``address``: on Ray workers
     (:func:`~hybridkv_cli.runs.distributed.run_distributed`, the same records). Returns the exit status."""
     from rich.console import Console
 
