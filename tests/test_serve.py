@@ -160,7 +160,7 @@ def test_answers_equal_the_cli_from_a_data_url_and_a_file(server, client):
     text, _, chunks = stream_answer(client, video_message(data_url(NEEDLE), "What colour is the star?"),
                                     stream_options={"include_usage": True})
     assert text == "red"
-    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content  # with its text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage.completion_tokens >= 1 and not chunks[-1].choices
 

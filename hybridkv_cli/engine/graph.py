@@ -115,12 +115,16 @@ def _ints(value, what: str) -> list[int]:
 
 
 class _Rebuilder:
-    def __init__(self, storages: dict[str, torch.Tensor]):
+    def __init__(self, storages: dict[str, torch.Tensor], checked: bool = True):
         self.storages = storages
+        self.checked = checked  # a tree read from a file is checked; one flatten() just made is not
         self.objects: dict[int, Any] = {}
         self.depth = 0
 
     def tensor(self, spec) -> torch.Tensor:
+        if not self.checked:
+            return torch.empty(0, dtype=DTYPES[spec["dtype"]], device=self.storages[spec["s"]].device).set_(
+                self.storages[spec["s"]].untyped_storage(), spec["off"], spec["shape"], spec["stride"])
         if type(spec) is not dict or set(spec) != {"s", "dtype", "shape", "stride", "off"}:
             raise GraphError("a tensor without its storage, dtype, shape, stride and offset")
         data = self.storages.get(spec["s"]) if type(spec["s"]) is str else None
@@ -199,16 +203,18 @@ class _Rebuilder:
         out = self._new(n, cls.__new__(cls))
         values = {k: self(v) for k, v in state.items()}
         for k, v in values.items():
-            if not conforms(v, declared[k]):
+            if self.checked and not conforms(v, declared[k]):
                 raise GraphError(f"a {kind}'s {k} is not a {getattr(declared[k], '__name__', declared[k])}")
         out.__dict__.update(values)
         return out
 
 
-def rebuild(storages: dict[str, torch.Tensor], tree: Any) -> Any:
-    """The graph ``tree`` describes, its tensors views of ``storages`` (uint8, one per key)."""
+def rebuild(storages: dict[str, torch.Tensor], tree: Any, checked: bool = True) -> Any:
+    """The graph ``tree`` describes, its tensors views of ``storages`` (uint8, one per key);
+    ``checked``: every node, type and bound checked (a tree from a file), else trusted (one
+    :func:`flatten` just made, in this process)."""
     with torch.inference_mode():
-        return _Rebuilder(storages)(tree)
+        return _Rebuilder(storages, checked)(tree)
 
 
 def clone(graph: Any, flat: tuple | None = None) -> Any:
@@ -226,7 +232,7 @@ def clone(graph: Any, flat: tuple | None = None) -> Any:
                 copies[key] = torch.empty(data.shape, dtype=torch.uint8, pin_memory=True).copy_(data)
             else:
                 copies[key] = data.clone()
-    return rebuild(copies, tree)
+    return rebuild(copies, tree, checked=False)
 
 
 def to_device(graph: Any, device: torch.device) -> Any:
@@ -239,4 +245,4 @@ def to_device(graph: Any, device: torch.device) -> Any:
     with torch.inference_mode():
         moved = {key: data if info[key]["device"] != "cpu" or info[key]["pinned"] else data.to(device)
                  for key, data in storages.items()}
-    return rebuild(moved, tree)
+    return rebuild(moved, tree, checked=False)
