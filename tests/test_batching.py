@@ -252,8 +252,6 @@ def test_cuda_graphs_flag_answers_as_without_it(demo_loads, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--kv-memory", "lots"], "--kv-memory: expected a size such as 4GiB or 512MB, got 'lots'"),
-    (["--batch-size", "2", "--workers", "2"], "--batch-size: batches on this device; with --workers or --ray each "
-                                              "worker decodes one input at a time"),
 ])
 def test_bad_batch_options_are_usage_errors(demo_loads, capsys, argv, message):
     from hybridkv_cli import cli

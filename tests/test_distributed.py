@@ -95,6 +95,22 @@ def test_two_workers_give_the_single_process_records(local_ray, folder):
 
 
 @needs_ray
+def test_batching_workers_give_the_single_process_records(local_ray, folder):
+    """``--workers 2 --batch-size 3``: each worker takes 3 inputs at a time and decodes them
+    together; the same answers and error records as one process, each line saying its batch."""
+    from hybridkv_cli.engine import Limits
+
+    items = plan_inputs([str(folder)], each=True)
+    out = io.StringIO()
+    run_batch(items, QUESTION, Session(OPTS), console=Console(file=io.StringIO()), jsonl=out)
+    expected = sorted(comparable(json.loads(line)) for line in out.getvalue().splitlines())
+    summary, records, _ = distributed(items, limits=Limits(batch_size=3))
+    assert sorted(comparable(r) for r in records) == expected and (summary.ok, summary.failed) == (5, 2)
+    sizes = [r["batch"]["size_max"] for r in records if "batch" in r]
+    assert len(sizes) == 5 and max(sizes) > 1 and all(size <= 3 for size in sizes)
+
+
+@needs_ray
 def test_several_questions_and_cache_files_on_two_workers_give_the_single_process_records(local_ray, folder,
                                                                                           tmp_path, capsys):
     def records(argv, code):

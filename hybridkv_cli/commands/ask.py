@@ -52,7 +52,7 @@ def ask(
         raise UsageError("--context is one text input; --each and --workers take media inputs", "--context")
     model, dtype, caches = resolve_cache_inputs(paths, model, dtype)
     multi = asked is not None or caches  # one compression (or a .hkv file), one record per question
-    limits = decode_limits(batch_size, kv_memory, cuda_graphs, workers or ray)
+    limits = decode_limits(batch_size, kv_memory, cuda_graphs)
     streams = streaming(stream, stream_chunk, stream_window, stream_kv_tokens)
     settings = AskOptions(model=model, device=device, dtype=dtype, method=method or "hybridkv",
                           method_given=method is not None, method_options=options, frames=frames, fps=fps,
@@ -124,7 +124,7 @@ def _many(session, paths: list[str], question: str, limits, *, context: str | No
         from hybridkv_cli.runs.distributed import run_distributed  # imports Ray only when it runs
 
         return run_distributed(items, question, session.options, workers=workers, address=address,
-                               gpus_per_worker=gpus_per_worker, **kw).exit_code
+                               gpus_per_worker=gpus_per_worker, limits=limits, **kw).exit_code
     from hybridkv_cli.runs.batch import run_batch
 
     text = read_context(context) if context is not None else None

@@ -47,7 +47,7 @@ def bench(
     from hybridkv_cli.runs.session import AskOptions, Session
 
     names, sweep = parse_methods(methods), parse_budgets(budgets)
-    limits = decode_limits(batch_size, kv_memory, cuda_graphs, workers or ray)
+    limits = decode_limits(batch_size, kv_memory, cuda_graphs)
     options.per_method(names)  # refuses what no method takes before anything loads
     if tasks is not None:
         if args or answer:
@@ -59,14 +59,14 @@ def bench(
     session = Session(AskOptions(model=model, device=device, dtype=dtype, method=None, frames=frames, fps=fps,
                                  max_pixels=max_pixels, max_new_tokens=max_new_tokens,
                                  defer_question=defer_question), stage=status(quiet))
-    kw = dict(console=err, quiet=quiet, debug=debug, per_video=per_video, options=options)
+    kw = dict(console=err, quiet=quiet, debug=debug, per_video=per_video, options=options, limits=limits)
     if workers or ray:
         from hybridkv_cli.runs.distributed import run_bench_distributed  # imports Ray only when it runs
 
         result = run_bench_distributed(session.options, inputs, names, sweep, workers=workers, address=ray,
                                        gpus_per_worker=gpus_per_worker, **kw)
     else:
-        result = run_bench(session, inputs, names, sweep, limits=limits, **kw)
+        result = run_bench(session, inputs, names, sweep, **kw)
     if out is not None:
         err.print(f"wrote {', '.join(str(p) for p in save(result, out))}", highlight=False, soft_wrap=True)
     if as_json:

@@ -158,8 +158,8 @@ GPUS_PER_WORKER = typer.Option(0.0, "--gpus-per-worker", min=0.0, max=1024.0, he
 
 # Many generations decoded together on one device (hybridkv_cli/engine/, docs/batching.md).
 BATCH_SIZE = typer.Option(None, "--batch-size", min=1, metavar="N", help="Decode up to N answers together "
-                          "(inputs, or the questions of -Q/--questions about one compressed input; continuous "
-                          "batching: one joins as another finishes) [default: 1, or as many as --kv-memory admits].")
+                          "(inputs, or the questions of -Q/--questions; continuous batching: one joins as another "
+                          "finishes; with --workers, in each worker) [default: 1, or as many as --kv-memory admits].")
 KV_MEMORY = typer.Option(None, "--kv-memory", metavar="SIZE", help="Admit inputs to the batch while their device KV "
                          "(measured) stays within SIZE, e.g. 4GiB or 512MB: a compressed cache admits more.")
 CUDA_GRAPHS = typer.Option(False, "--cuda-graphs", help="Decode through the batch decoder and, on CUDA, replay each "
@@ -210,16 +210,11 @@ def method_options(names: tuple[str, ...]):
     return wrap
 
 
-def decode_limits(batch_size: int | None, kv_memory: str | None, cuda_graphs: bool, distributed):
+def decode_limits(batch_size: int | None, kv_memory: str | None, cuda_graphs: bool):
     """The decode limits ``--batch-size``, ``--kv-memory`` and ``--cuda-graphs`` give (a
-    UsageError for a bad size, or for batching with Ray workers, which decode one input each)."""
+    UsageError for a bad size); on Ray workers, each worker's."""
     from hybridkv_cli.engine import Limits
-    limits = Limits(batch_size, None if kv_memory is None else parse_size(kv_memory, "--kv-memory"), cuda_graphs)
-    if limits.batched and distributed:
-        flag = "--batch-size" if batch_size not in (None, 1) else "--kv-memory" if kv_memory else "--cuda-graphs"
-        raise UsageError("batches on this device; with --workers or --ray each worker decodes one input at a time",
-                         flag)
-    return limits
+    return Limits(batch_size, None if kv_memory is None else parse_size(kv_memory, "--kv-memory"), cuda_graphs)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

@@ -134,17 +134,30 @@ def result_of(answer) -> dict:
     return record
 
 
-def answer_item(session: Session, item: Item, question: str | None, questions=None, answered: set | None = None,
-                context: str | None = None) -> list[dict]:
-    """One input's lines, in question order (:func:`request_of`, :func:`result_of`); raises the
-    input's failure (its media or compression, or its one question's)."""
-    results = {}
-    for answer in session.answer([request_of(item, question, questions, answered, context)]):
-        if answer.error is not None and (answer.index is None or questions is None or isinstance(
-                answer.error, (UsageError, ModelError))):
-            raise answer.error
-        results[answer.index] = result_of(answer)
-    return [results[i] for i in sorted(results)]
+def item_events(session: Session, requests, limits, debug: bool = False):
+    """What a run writes, from :meth:`Session.answer` of one request per input (:func:`request_of`):
+    ``("line", request, line)`` for each question of a shared request as soon as it is answered,
+    ``("done", request, lines)`` when the input's last answer came, or ``("failed", request,
+    error)`` when its media, its compression or its one question failed. A :class:`UsageError` or
+    :class:`ModelError` (every input would fail the same way), or with ``debug`` an unexpected
+    exception, is raised."""
+    lines: dict[int, list] = {}  # the lines so far of each input in flight
+    for answer in session.answer(requests, limits):
+        request, error = answer.request, answer.error
+        if error is not None and (isinstance(error, (UsageError, ModelError)) or (
+                debug and not isinstance(error, HybridKVError))):
+            raise error
+        if answer.index is None or (error is not None and not request.shared):
+            lines.pop(id(request), None)
+            yield "failed", request, error
+            continue
+        done = lines.setdefault(id(request), [])
+        done.append(result_of(answer))
+        if request.shared:
+            yield "line", request, done[-1]
+        if len(done) == len(request.questions):
+            del lines[id(request)]
+            yield "done", request, done
 
 
 def error_kind(exc: BaseException) -> str:
@@ -282,42 +295,25 @@ def run_batch(items: list[Item], question: str | None, session: Session, *, cons
     session.stage = progress.stage
     started: dict[str, float] = {}
     single = questions is not None and len(questions) == 1
-    lines: dict[int, list] = {}  # the lines so far of each input in flight
 
     def requests():
         for item in items:
             signals.raise_if_stopped()  # a stop whose exception a destructor swallowed
             progress.begin(item.key)
             started[item.key] = time.perf_counter()
-            request = request_of(item, question, questions, answered, context)
-            lines[id(request)] = []
-            yield request
-
-    def finish(request, ok: bool) -> None:
-        key = request.item.key
-        del lines[id(request)]
-        progress.finish(key, ok, time.perf_counter() - started.pop(key))
+            yield request_of(item, question, questions, answered, context)
 
     try:
         with progress:
-            for answer in session.answer(requests(), limits or Limits()):
-                request, error, key = answer.request, answer.error, answer.request.item.key
-                if error is not None and (isinstance(error, (UsageError, ModelError)) or (
-                        debug and not isinstance(error, HybridKVError))):
-                    raise error
-                if answer.index is None or (error is not None and questions is None):
-                    # its media or compression failed, or its one question: the input's error line
-                    recorder.failed(key, error_record(key, error), error_kind(error))
-                    finish(request, False)
+            for event, request, data in item_events(session, requests(), limits or Limits(), debug):
+                key = request.item.key
+                if event == "line":
+                    recorder.question(key, data, single)  # written as soon as it is answered
                     continue
-                done = lines[id(request)]
-                done.append(result_of(answer))
-                if questions is None:
-                    finish(request, recorder.answered(key, done))
-                    continue
-                recorder.question(key, done[-1], single)  # written as soon as it is answered
-                if len(done) == len(request.questions):
-                    finish(request, recorder.answered(key, done, streamed=True))
+                if event == "failed":
+                    recorder.failed(key, error_record(key, data), error_kind(data))
+                ok = event == "done" and recorder.answered(key, data, streamed=request.shared)
+                progress.finish(key, ok, time.perf_counter() - started.pop(key))
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (hybridkv_cli.io.signals)
         summary.stopped_by = signals.signal_of(e)
     finally:

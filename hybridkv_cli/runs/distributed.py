@@ -1,12 +1,12 @@
 """Many inputs over many processes, GPUs and machines on Ray: ``ask DIR --each --workers N`` / ``--ray ADDRESS``.
 
 Ray **actors with a work queue** (not Ray Data): each actor builds one
-:class:`~hybridkv_cli.runs.session.Session` (one model load) and answers one input at a time; the
-driver keeps every actor busy with one input from its queue, takes the results as they arrive
-(:func:`ray.wait`) and writes them through the same :class:`~hybridkv_cli.runs.batch.Recorder` as the
+:class:`~hybridkv_cli.runs.session.Session` (one model load) and answers one input at a time (or,
+batching, a batch's worth decoded together); the driver keeps every actor busy with inputs from
+its queue, takes the results as they arrive (:func:`ray.wait`) and writes them through the same :class:`~hybridkv_cli.runs.batch.Recorder` as the
 single-process :func:`~hybridkv_cli.runs.batch.run_batch` (the same JSONL lines, fsynced one by one,
 the same error records, ``--resume`` and exit codes). An actor that dies (killed, out of memory)
-loses only the input it held: a new actor replaces it and the input is tried once more, then
+loses only the inputs it held: a new actor replaces it and each is tried once more, then
 recorded as an error; one that dies loading the model is replaced once. Why not Ray Data: see
 docs/scale-out.md.
 """
@@ -22,7 +22,7 @@ from hybridkv_cli.io import signals
 from hybridkv_cli.io.errors import HybridKVError, ModelError, UsageError
 from hybridkv_cli.io.progress import Progress
 from hybridkv_cli.runs import ray_cluster
-from hybridkv_cli.runs.batch import Recorder, Summary, answer_item, error_kind, error_record
+from hybridkv_cli.runs.batch import Recorder, Summary, error_kind, error_record, item_events, request_of
 from hybridkv_cli.runs.inputs import Item
 
 INSTALL = 'pip install -e ".[ray]"'
@@ -45,7 +45,8 @@ def import_ray(option: str = "--workers"):
 
 
 class Worker:
-    """One Ray actor: one session, one model load, one input at a time (the body of the actor class)."""
+    """One Ray actor: one session, one model load, a share of the inputs at a time (the body of the
+    actor class)."""
 
     def __init__(self, options, fault: Callable | None = None):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -62,19 +63,28 @@ class Worker:
         self.session.model()
         return time.perf_counter() - started
 
-    def answer(self, item: Item, question, questions=None, answered=None, debug: bool = False):
-        """``("ok", records)``, ``("error", error record, kind)``, or ``("stop", error)`` for an error
-        that would fail every input the same way (a usage or model error)."""
-        if self.fault is not None:
-            self.fault(item)
+    def answer(self, items: list[Item], question, questions=None, answered=None, debug: bool = False,
+               limits=None):
+        """Each item's ``("ok", records)`` or ``("error", error record, kind)``, in item order,
+        decoded together under ``limits`` as one process does (:func:`item_events`); or
+        ``("stop", error)`` for an error that would fail every input the same way (a usage or
+        model error)."""
+        from hybridkv_cli.engine import Limits
+
+        for item in items:
+            if self.fault is not None:
+                self.fault(item)
+        results = {}
+        requests = [request_of(item, question, questions, answered) for item in items]
         try:
-            return "ok", answer_item(self.session, item, question, questions, answered)
+            for event, request, data in item_events(self.session, requests, limits or Limits(), debug):
+                if event == "failed":
+                    results[id(request)] = "error", error_record(request.item.key, data), error_kind(data)
+                elif event == "done":
+                    results[id(request)] = "ok", data
         except (UsageError, ModelError) as e:
             return "stop", (type(e).__name__, e.reason, e.source)
-        except Exception as e:
-            if debug and not isinstance(e, HybridKVError):
-                raise
-            return "error", error_record(item.key, e), error_kind(e)
+        return [results[id(request)] for request in requests]
 
 
 def _stop_error(name: str, reason: str, source):
@@ -85,13 +95,16 @@ def run_distributed(items: list[Item], question: str | None, options, *, workers
                     address: str | None = None, gpus_per_worker: float = 0.0, console, jsonl: TextIO | None = None,
                     human=None, output=None, resume: bool = False, quiet: bool = False, debug: bool = False,
                     questions=None, fault: Callable | None = None, num_cpus: int | None = None,
-                    timings: dict | None = None) -> Summary:
+                    timings: dict | None = None, limits=None) -> Summary:
     """:func:`~hybridkv_cli.runs.batch.run_batch` on Ray: ``workers`` actors (default: one per GPU of
     the cluster with ``gpus_per_worker``, else one per node), each with ``gpus_per_worker`` GPUs and one
     session built from ``options``; ``address``: an existing cluster (else a local runtime with
     ``num_cpus``, default the machine's). Records are written by this process as they arrive, in
     completion order. ``timings`` (a dict) gets ``startup_s`` (the runtime and the workers' model
-    loads) and ``answer_s`` (the first input sent to the last record written)."""
+    loads) and ``answer_s`` (the first input sent to the last record written). ``limits`` (an
+    :class:`~hybridkv_cli.engine.Limits` that batches): each worker is handed as many inputs at a
+    time as its batch holds (``--batch-size``; 16 under ``--kv-memory`` alone) and decodes them
+    together, as one process does."""
     option = "--ray" if address and not workers else "--workers"
     if address:
         ray_cluster.gcs_address(address)  # a malformed address is refused before Ray is imported
@@ -108,7 +121,7 @@ def run_distributed(items: list[Item], question: str | None, options, *, workers
             started_ray = ray_cluster.start(ray, address, workers, num_cpus)
             n = workers or _default_workers(ray, gpus_per_worker)
             _drive(ray, items, question, options, n, gpus_per_worker, recorder, progress, questions, answered, debug,
-                   fault, quiet, console)
+                   fault, quiet, console, limits)
             if timings is not None:
                 timings.update(startup_s=progress.start - started, answer_s=time.perf_counter() - progress.start)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP: the completed lines are in
@@ -141,8 +154,9 @@ def _default_workers(ray, gpus_per_worker: float) -> int:
 
 
 def _drive(ray, items, question, options, n, gpus, recorder: Recorder, progress: Progress, questions, answered,
-           debug, fault, quiet, console) -> None:
-    """Keep ``n`` actors busy with one input each until every item has a record."""
+           debug, fault, quiet, console, limits=None) -> None:
+    """Keep ``n`` actors busy with a share of the inputs each (one, or a batch's worth with
+    ``limits``) until every item has a record."""
     from ray.exceptions import RayActorError, RayTaskError
 
     try:
@@ -167,46 +181,51 @@ def _drive(ray, items, question, options, n, gpus, recorder: Recorder, progress:
                       f"{time.perf_counter() - load_started:.1f} s", highlight=False, soft_wrap=True)
     progress.start = time.perf_counter()  # the rate and ETA count answering, not the start-up
 
+    share = 1 if limits is None or not limits.batched else limits.batch_size or 16  # inputs a worker takes at a time
     queue = deque(enumerate(items))
     tries: dict[int, int] = {}  # index into items -> workers lost on it
     idle = list(actors)
-    running: dict = {}  # object ref -> (actor, index into items, started)
+    running: dict = {}  # object ref -> (actor, indices into items, started)
     with progress:
         try:
             while queue or running:
                 signals.raise_if_stopped()
                 while idle and queue:
-                    actor, (i, item) = idle.pop(), queue.popleft()
-                    progress.begin(item.key)
-                    ref = actor.answer.remote(item, question, questions, answered, debug)
-                    running[ref] = (actor, i, time.perf_counter())
+                    actor, taken = idle.pop(), [queue.popleft() for _ in range(min(share, len(queue)))]
+                    for _, item in taken:
+                        progress.begin(item.key)
+                    ref = actor.answer.remote([item for _, item in taken], question, questions, answered, debug, limits)
+                    running[ref] = (actor, [i for i, _ in taken], time.perf_counter())
                 ready, _ = ray.wait(list(running), num_returns=1, timeout=0.2)
                 for ref in ready:
-                    actor, i, started = running.pop(ref)
-                    item = items[i]
+                    actor, indices, started = running.pop(ref)
                     try:
-                        outcome = ray.get(ref)
+                        outcomes = ray.get(ref)
                     except lost_errors as e:
-                        tries[i] = tries.get(i, 0) + 1
                         idle.append(spawn())  # a new actor in the dead one's place
-                        if tries[i] <= RETRIES:
-                            queue.appendleft((i, item))
-                            continue
-                        lost = WorkerLost(f"its worker died {tries[i]} times ({type(e).__name__})", item.key)
-                        recorder.failed(item.key, error_record(item.key, lost))
-                        progress.finish(item.key, False, time.perf_counter() - started)
+                        for i in reversed(indices):
+                            item = items[i]
+                            tries[i] = tries.get(i, 0) + 1
+                            if tries[i] <= RETRIES:
+                                queue.appendleft((i, item))
+                                continue
+                            lost = WorkerLost(f"its worker died {tries[i]} times ({type(e).__name__})", item.key)
+                            recorder.failed(item.key, error_record(item.key, lost))
+                            progress.finish(item.key, False, time.perf_counter() - started)
                         continue
                     except RayTaskError as e:  # --debug: an unexpected exception, with the worker's traceback
                         raise e.as_instanceof_cause() from None
                     idle.append(actor)
-                    if outcome[0] == "stop":
-                        raise _stop_error(*outcome[1])
-                    if outcome[0] == "error":
-                        recorder.failed(item.key, outcome[1], outcome[2])
-                        progress.finish(item.key, False, time.perf_counter() - started)
-                    else:
-                        ok = recorder.answered(item.key, outcome[1])
-                        progress.finish(item.key, ok, time.perf_counter() - started)
+                    if outcomes[0] == "stop":
+                        raise _stop_error(*outcomes[1])
+                    for i, outcome in zip(indices, outcomes):
+                        item = items[i]
+                        if outcome[0] == "error":
+                            recorder.failed(item.key, outcome[1], outcome[2])
+                            progress.finish(item.key, False, time.perf_counter() - started)
+                        else:
+                            ok = recorder.answered(item.key, outcome[1])
+                            progress.finish(item.key, ok, time.perf_counter() - started)
         finally:  # stopped or failed: the inputs in flight are dropped with their workers
             for actor in spawned:
                 ray.kill(actor, no_restart=True)

@@ -94,7 +94,7 @@ def ask_questions(session, paths: list[str], asked: list[tuple[str, tuple[str, .
         from hybridkv_cli.runs.distributed import run_distributed
 
         return run_distributed(items, None, session.options, workers=workers, address=address,
-                               gpus_per_worker=gpus_per_worker, **kw).exit_code
+                               gpus_per_worker=gpus_per_worker, limits=limits, **kw).exit_code
     return run_batch(items, None, session, context=text, limits=limits, **kw).exit_code
 
 
