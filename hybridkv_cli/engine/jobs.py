@@ -9,7 +9,8 @@ question; batching is more than one job at a time. Jobs decode together in one
 :class:`~hybridkv_cli.engine.decoder.Decoder` as :class:`Limits` allow, and each job's
 :class:`Outcome` is yielded as it finishes.
 
-Room (:class:`Limits`): at most ``batch_size`` members, and with ``kv_memory`` a device-KV cap.
+Room (:class:`Limits`, applied by :class:`~hybridkv_cli.engine.admission.Admission`): at most
+``batch_size`` members, and with ``kv_memory`` a device-KV cap.
 Under a cap a member's device KV is measured when it starts, with its rows for every token it
 will be fed allocated then (so it cannot grow while it decodes): the members' sum never
 exceeds the cap. Without one, generated rows are allocated 16 at a time, as they are needed.
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from hybridkv_cli.engine.admission import Admission
 from hybridkv_cli.engine.decoder import Decoder
 from hybridkv_cli.engine.measure import Generation
 from hybridkv_cli.engine.prefix import Prefix, prefill
@@ -116,7 +118,7 @@ def graph_warning(limits: Limits, steps: int, replayed: int) -> str | None:
 
 def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[], Job]] | None], *, max_new_tokens: int,
            limits: Limits = Limits(), on_step: Callable[[], None] | None = None,
-           watch: Callable[[list], Iterable] | None = None) -> Iterator[Outcome]:
+           watch: Callable[[list], Iterable] | None = None, admission: Admission | None = None) -> Iterator[Outcome]:
     """Decode ``jobs`` as ``limits`` allow, yielding each job's :class:`Outcome` as it finishes.
 
     ``load_model()``: the model, called once the first job is made (a bad first file fails
@@ -128,19 +130,16 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
     yielded). ``watch(members)``: called as a member joins (its first token is seen at once) and
     after every step, with the members still decoding (their ``tokens`` so far); the members it
     returns stop there (a stop string, a client gone) and their outcomes are yielded with the
-    tokens they have. A step that fails (out of memory) ends its
-    members with that error; the jobs after them go on.
+    tokens they have. A step that fails (out of memory) ends its members with that error; the
+    jobs after them go on. ``admission``: the admission state under ``limits`` (a server passes
+    its own, to read what waits; default: a new one).
     """
     decoder = None
     pending = iter(jobs)
-    waiting: list = []  # (job, measured bytes or None): made, not yet admitted
-    per_token = 0.0  # most device bytes per prompt token of any member so far
+    admission = admission or Admission(limits)
+    waiting = admission.waiting
     exhausted = False
-    cap = limits.kv_memory
-
-    def full() -> bool:  # no room for another member, whatever its size
-        members = decoder.members if decoder is not None else ()
-        return bool(members) and limits.most is not None and len(members) >= limits.most
+    members = lambda: decoder.members if decoder is not None else []  # noqa: E731
 
     def watched() -> list:  # the members watch stops now (they leave)
         stopped = list(watch(list(decoder.members))) if watch is not None and decoder.members else []
@@ -152,20 +151,10 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
             yield Outcome(m.job, m.generation(), batch=batch_info(limits, m.joined, m.sizes, m.kv_peak or m.bytes,
                                                                   m.replayed))
 
-    def room_for(job: Job, measured: int | None) -> bool:
-        if decoder is None or not decoder.members:
-            return True
-        if full():
-            return False
-        if cap is None:
-            return True
-        need = measured if measured is not None else per_token * job.length
-        return decoder.device_bytes() + need <= cap
-
     while True:
         while True:  # admit while there is room
             if not waiting and not exhausted:
-                if full():  # a job is made only when it could join (its errors then come in order)
+                if admission.full(members()):  # a job is made only when it could join (its errors then come in order)
                     break
                 try:
                     nxt = next(pending)
@@ -181,13 +170,13 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
                     yield Outcome(Job(tag, []), error=e)
                     continue
                 waiting.append((job, None))
-            if not waiting or not room_for(*waiting[0]):
+            if not waiting or not admission.fits(members(), decoder.device_bytes() if decoder else 0):
                 break
-            job, _ = waiting.pop(0)
+            job, _ = waiting.popleft()
             try:
                 if decoder is None:
                     decoder = Decoder(load_model(), max_new_tokens, limits.cuda_graphs,
-                                      allocate_all=cap is not None)
+                                      allocate_all=limits.kv_memory is not None)
                 member = decoder.start(job)
             except Exception as e:
                 yield Outcome(job, error=e)
@@ -196,17 +185,17 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
                 yield Outcome(job, member.generation(), batch=batch_info(limits, decoder.steps, [], member.bytes))
                 continue
             decoder.join(member)
-            per_token = max(per_token, member.bytes / max(job.length, 1))
-            if cap is not None and decoder.device_bytes() > cap:
+            admission.joined(member)
+            if admission.over(decoder.device_bytes()):
                 decoder.leave(member)
                 if not decoder.members:
                     yield Outcome(job, error=OutOfMemoryError(
                         f"its KV cache needs {human_bytes(member.bytes)} on the device, more than --kv-memory "
-                        f"{human_bytes(cap)}"))
+                        f"{human_bytes(limits.kv_memory)}"))
                 else:  # measured now: wait for that much room, then prefill again
                     if not job.prefix.shared:
                         job.prefix = None
-                    waiting.insert(0, (job, member.bytes))
+                    admission.wait(job, member.bytes)
                 del member
                 if decoder.members:
                     break

@@ -78,13 +78,13 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
     async def health():
         if not worker.alive:
             return error_response(ApiError(503, "the worker is not running", type="server_error"))
-        return {"status": "ok", "model": settings.model_id, "queued": worker.queue.qsize(),
+        return {"status": "ok", "model": settings.model_id, "queued": worker.waiting,
                 "decoding": metrics.members}
 
     @app.get("/metrics")
     async def prometheus(request: Request):
         authorize(request)
-        return PlainTextResponse(metrics.render(worker.cache, worker.queue.qsize()),
+        return PlainTextResponse(metrics.render(worker.cache, worker.waiting),
                                  media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict:

@@ -29,6 +29,7 @@ from pathlib import Path
 from hybridkv_cli.compression import MethodOptions, Policy
 from hybridkv_cli.compression.cache import policy_attention
 from hybridkv_cli.engine import Job, Limits, decode
+from hybridkv_cli.engine.admission import Admission
 from hybridkv_cli.io.errors import HybridKVError, UsageError
 from hybridkv_cli.runs.guards import failure
 from hybridkv_cli.runs.requests import Request
@@ -73,6 +74,7 @@ class Worker:
         self.session, self.settings, self.limits, self.metrics = session, settings, limits, metrics
         self.cache = PrefixCache(settings.prefix_cache_bytes)
         self.queue: queue.Queue = queue.Queue(maxsize=settings.queue_size)
+        self.admission = Admission(limits)  # the engine's: who waits, made, for room in the batch
         self.active = 0  # jobs taken from the queue whose outcome has not come yet
         self.inflight: set[Ticket] = set()
         self._stopping = threading.Event()
@@ -122,6 +124,11 @@ class Worker:
                            type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
 
     @property
+    def waiting(self) -> int:
+        """Requests waiting: in the queue, and made but not yet admitted to the batch (--kv-memory)."""
+        return self.queue.qsize() + len(self.admission.waiting)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
@@ -144,7 +151,7 @@ class Worker:
         while not self._stopping.is_set():
             try:
                 for outcome in decode(model, self._source(), max_new_tokens=self.session.options.max_new_tokens,
-                                      limits=self.limits, watch=self._watch):
+                                      limits=self.limits, watch=self._watch, admission=self.admission):
                     self.active -= 1
                     try:
                         self._finish(outcome)
@@ -157,6 +164,7 @@ class Worker:
                 for ticket in self.inflight:
                     ticket.send("error", from_error(RuntimeError()))
                 self.inflight.clear()
+                self.admission.waiting.clear()
                 self.active = 0
 
     def _drain(self) -> list[Ticket]:
