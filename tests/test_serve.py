@@ -229,6 +229,34 @@ def test_concurrent_clients_get_the_cli_answers_decoded_together(server, client)
     assert max(info["batch"]["size_max"] for _, info in results) > 1  # decoded together, not one at a time
 
 
+def test_concurrent_requests_for_new_media_prefill_it_once_beside_the_decoding(server, client, tmp_path):
+    """Six clients ask at once about a video no one asked about: its prefill runs once (one miss,
+    five hits), in the prefill thread, and every answer is the CLI's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from media_fixtures import make_video
+
+    base, _ = server
+    clip = make_video(tmp_path / "fresh.mp4", n=8)
+    url, questions = data_url(clip), QUESTIONS[:3] * 2
+    misses, hits = metric(base, "hybridkv_prefix_cache_misses_total"), metric(base, "hybridkv_prefix_cache_hits_total")
+    ask = lambda q: client.chat.completions.create(model="demo", messages=video_message(url, q))  # noqa: E731
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(ask, questions))
+    assert metric(base, "hybridkv_prefix_cache_misses_total") == misses + 1
+    assert metric(base, "hybridkv_prefix_cache_hits_total") == hits + 5
+    assert sum(not r.model_extra["hybridkv"]["prefix_cache_hit"] for r in replies) == 1
+    from hybridkv_cli.runs.inputs import Item
+    from hybridkv_cli.runs.requests import Request
+    from hybridkv_cli.runs.session import AskOptions, Session
+
+    cli = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
+    answers = {a.index: a.record["answer"] for a in cli.answer([Request(questions=tuple(QUESTIONS[:3]),
+                                                                        item=Item((str(clip),)), shared=True)])}
+    assert [r.choices[0].message.content for r in replies] == [answers[i % 3] for i in range(6)]
+
+
 # --- refusals: each one JSON error, and the server answers after it -----------------------------------
 def _post(base, body=None, *, key=KEY, raw: bytes | None = None, path="/v1/chat/completions"):
     headers = {"Content-Type": "application/json"}

@@ -8,7 +8,8 @@ the question -- so equal keys are equal prefixes. The value is the engine's shar
 nothing of one answer reaches the next. Entries are evicted least recently used first, to keep
 their device + host bytes within the cap; a prefix larger than the cap is not kept.
 
-Only the worker thread puts and gets; the lock is for the metrics, read from request threads.
+The worker thread gets, the prefill thread gets and puts, request threads read the metrics: one
+lock guards the entries and the counts.
 """
 
 from __future__ import annotations
@@ -41,16 +42,24 @@ class PrefixCache:
         self.hits = self.misses = self.evictions = 0
         self.bytes = self.device_bytes = 0
 
-    def get(self, key: str):
-        """The prefix of ``key`` (now the most recently used), or None; counted as a hit or a miss."""
+    def get(self, key: str, count: bool = True):
+        """The prefix of ``key`` (now the most recently used), or None; counted as a hit or a miss
+        (``count``; else the caller counts the request once it knows, :meth:`count`)."""
         with self._lock:
             prefix = self._entries.get(key)
-            if prefix is None:
+            if prefix is not None:
+                self._entries.move_to_end(key)
+        if count:
+            self.count(hit=prefix is not None)
+        return prefix
+
+    def count(self, hit: bool) -> None:
+        """One request's lookup: a hit, or a miss (its prefix made for it)."""
+        with self._lock:
+            if hit:
+                self.hits += 1
+            else:
                 self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return prefix
 
     def put(self, key: str, prefix) -> bool:
         """Keep ``prefix`` under ``key``, evicting the least recently used to make room; False when

@@ -1,14 +1,17 @@
-"""The one thread that owns the model: requests in, answers out.
+"""The two threads that run the model: requests in, answers out.
 
-Requests wait in a bounded queue (full: 503 with Retry-After). The worker runs the engine's one
-decode loop (:func:`hybridkv_cli.engine.decode`) over that queue as a live source: while requests
-are decoding it admits whatever is waiting, up to ``--max-batch`` members (and ``--kv-memory``),
-and they decode together in one batch step (continuous batching); when nothing decodes it sleeps
-on the queue. A request's job is made when it is admitted: its compressed prefix is taken from the
-:class:`~.prefix_cache.PrefixCache`, or its media decoded, prefilled and compressed once and kept
-(one thread makes every prefix, so requests for the same uncached media prefill it once: the
-second finds it cached); its question is then the job's suffix, read through a copy of that prefix
--- exactly what ``hybridkv ask MEDIA -Q QUESTION`` does, so the answers are the same.
+Requests wait in a bounded queue (full: 503 with Retry-After). The worker thread runs the engine's
+one decode loop (:func:`hybridkv_cli.engine.decode`) over that queue as a live source: while
+requests are decoding it admits whatever is waiting, up to ``--max-batch`` members (and
+``--kv-memory``), and they decode together in one batch step (continuous batching); when nothing
+decodes it sleeps on the queue. A request whose compressed prefix is in the
+:class:`~.prefix_cache.PrefixCache` becomes a job at once; one whose prefix is not goes to the
+prefill thread, which decodes its media, prefills and compresses it and keeps it -- beside the
+decoding, which goes on meanwhile -- and puts the request back in the queue. One thread makes
+every prefix, so requests for the same uncached media prefill it once: the second finds it made.
+A request's question is then its job's suffix, read through a copy of that prefix -- exactly what
+``hybridkv ask MEDIA -Q QUESTION`` does, so the answers are the same. (The two threads share the
+model: the decode loop passes its positions, so the prefill's own mRoPE state is the prefill's.)
 
 After every batch step the worker hands each streaming request its new text and stops members
 whose client has gone or whose stop string appeared (their KV freed at once).
@@ -25,6 +28,8 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from hybridkv_cli.compression import MethodOptions, Policy
 from hybridkv_cli.compression.cache import policy_attention
@@ -58,6 +63,8 @@ class Ticket:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # the client went away: dropped at the next step
     cache_hit: bool | None = None
+    prefix: object = None  # its compressed prefix, once the prefill thread made it (or found it made)
+    failure: BaseException | None = None  # why its prefix could not be made
     text: AnswerText | None = None
 
     def send(self, kind: str, data) -> None:
@@ -73,12 +80,14 @@ class Worker:
     def __init__(self, session: Session, settings: ServeSettings, limits: Limits, metrics: Metrics):
         self.session, self.settings, self.limits, self.metrics = session, settings, limits, metrics
         self.cache = PrefixCache(settings.prefix_cache_bytes)
-        self.queue: queue.Queue = queue.Queue(maxsize=settings.queue_size)
+        self.queue: queue.Queue = queue.Queue()  # requests for the decode loop (bounded by submit)
+        self.misses: queue.Queue = queue.Queue()  # requests whose prefix the prefill thread makes
         self.admission = Admission(limits)  # the engine's: who waits, made, for room in the batch
         self.active = 0  # jobs taken from the queue whose outcome has not come yet
         self.inflight: set[Ticket] = set()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hybridkv-worker", daemon=True)
+        self._prefiller = threading.Thread(target=self._prefill_misses, name="hybridkv-prefill", daemon=True)
         generation = session.model().model.generation_config.eos_token_id
         self.eos = set() if generation is None else {generation} if isinstance(generation, int) else set(generation)
 
@@ -117,16 +126,16 @@ class Worker:
     def submit(self, ticket: Ticket) -> None:
         if not self.alive:
             raise ApiError(503, "the server is stopping", type="server_error", code="unavailable")
-        try:
-            self.queue.put_nowait(ticket)
-        except queue.Full:
+        if self.waiting >= self.settings.queue_size:
             raise ApiError(503, f"the server is busy ({self.settings.queue_size} requests waiting); retry later",
-                           type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
+                           type="server_error", code="queue_full", headers={"Retry-After": "1"})
+        self.queue.put_nowait(ticket)
 
     @property
     def waiting(self) -> int:
-        """Requests waiting: in the queue, and made but not yet admitted to the batch (--kv-memory)."""
-        return self.queue.qsize() + len(self.admission.waiting)
+        """Requests waiting: for the decode loop, for their prefill, and made but not yet admitted
+        to the batch (--kv-memory)."""
+        return self.queue.qsize() + self.misses.qsize() + len(self.admission.waiting)
 
     @property
     def alive(self) -> bool:
@@ -134,17 +143,20 @@ class Worker:
 
     def start(self) -> None:
         self._thread.start()
+        self._prefiller.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
+        self._prefiller.join(timeout)
         self._thread.join(timeout)
 
     # --- the worker thread --------------------------------------------------------------------
     def _run(self) -> None:
         model = lambda: self.session.model().model
-        with policy_attention(model()):  # held while serving: no step or question pass switches the model
+        with policy_attention(model()):  # held while serving: no step, question pass or prefill switches the model
             self._serve(model)
-        for ticket in list(self.inflight) + self._drain():
+            self._prefiller.join()  # its last request is back in the queue
+        for ticket in list(self.inflight) + self._drain(self.queue) + self._drain(self.misses):
             ticket.send("error", ApiError(503, "the server is stopping", type="server_error", code="unavailable"))
 
     def _serve(self, model) -> None:
@@ -167,11 +179,12 @@ class Worker:
                 self.admission.waiting.clear()
                 self.active = 0
 
-    def _drain(self) -> list[Ticket]:
+    @staticmethod
+    def _drain(waiting: queue.Queue) -> list[Ticket]:
         left = []
         while True:
             try:
-                left.append(self.queue.get_nowait())
+                left.append(waiting.get_nowait())
             except queue.Empty:
                 return left
 
@@ -188,17 +201,47 @@ class Worker:
             if ticket.cancelled:  # its client left while it waited
                 self.metrics.cancel()
                 continue
+            if ticket.prefix is None and ticket.failure is None:
+                ticket.prefix = self.cache.get(ticket.key, count=False)
+                if ticket.prefix is None:  # prefilled beside the decoding, then back in the queue
+                    self.misses.put(ticket)
+                    continue
+                self.cache.count(hit=True)
+                ticket.cache_hit = True
             self.active += 1
             self.inflight.add(ticket)
             yield ticket, lambda ticket=ticket: self._job(ticket)
 
+    def _prefill_misses(self) -> None:
+        """The prefill thread: the prefix of each request that missed the cache, made once (a
+        request for media whose prefix an earlier one made meanwhile finds it), while the worker
+        thread decodes; the request then goes back to the worker's queue."""
+        with torch.inference_mode():
+            while not self._stopping.is_set():
+                try:
+                    ticket = self.misses.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if ticket.cancelled:
+                    self.metrics.cancel()
+                    continue
+                ticket.prefix = self.cache.get(ticket.key, count=False)
+                ticket.cache_hit = ticket.prefix is not None
+                self.cache.count(hit=ticket.cache_hit)
+                if ticket.prefix is None:
+                    try:
+                        ticket.prefix = self._compress(ticket)
+                        self.cache.put(ticket.key, ticket.prefix)
+                    except Exception as e:  # its answer is this error (see _job)
+                        ticket.failure = e
+                ticket.refs = []  # decoded: the bytes can go
+                self.queue.put(ticket)
+
     def _job(self, ticket: Ticket) -> Job:
         chat = ticket.chat
-        prefix = self.cache.get(ticket.key)
-        ticket.cache_hit = prefix is not None
-        if prefix is None:
-            prefix = self._compress(ticket)
-            self.cache.put(ticket.key, prefix)
+        if ticket.failure is not None:
+            raise ticket.failure
+        prefix = ticket.prefix
         ticket.refs = []  # decoded: the bytes can go
         tokenizer = self.session.model().tokenizer
         ticket.text = AnswerText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), chat.stop)
