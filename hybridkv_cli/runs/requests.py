@@ -15,6 +15,7 @@ from typing import Any
 
 from hybridkv_cli.compression import Policy
 from hybridkv_cli.engine import Prefix
+from hybridkv_cli.engine.hkv import is_cache_path
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.models.prompt import Prompt
 from hybridkv_cli.runs.inputs import Item
@@ -36,9 +37,9 @@ class Request:
     """What to answer (see the module docstring). Exactly one of ``item`` (media paths or a
     ``.hkv`` file; with no paths, a text prompt about ``context``), ``prepared`` or ``prefix``.
 
-    ``shared``: the media are compressed once and every question read after it (``-Q``, a
-    ``.hkv`` file, the server); otherwise each question is read in its prompt (compressed with
-    it, or after it with ``--defer-question``). A ``prefix`` is always shared; a ``prepared``
+    ``shared``: the media are compressed once and every question read after it (``-Q``, the
+    server); otherwise each question is read in its prompt (compressed with it, or after it with
+    ``--defer-question``). A ``prefix`` and a ``.hkv`` file are always shared; a ``prepared``
     prompt never is (it has its question). ``policy``: None for the session's;
     ``max_new_tokens``: None for the session's.
     """
@@ -59,7 +60,8 @@ class Request:
             raise ValueError("a request has one of item, prepared or prefix")
         if self.prepared is not None:
             self.questions = (self.prepared.question,)
-        self.shared = self.prefix is not None or (self.shared and self.prepared is None)
+        cache_file = self.item is not None and len(self.item.paths) == 1 and is_cache_path(self.item.paths[0])
+        self.shared = self.prefix is not None or cache_file or (self.shared and self.prepared is None)
 
     @property
     def source(self) -> str:

@@ -240,11 +240,8 @@ class Session:
     def _plan(self, requests: Iterable[Request]):
         """The engine's ``(tag, make)`` jobs of ``requests``, tagged ``(request, question index)``
         (index None: the request's own failure, before any question)."""
-        from hybridkv_cli.engine import hkv
-
         for request in requests:
-            item = request.item
-            if not (request.shared or item is not None and len(item.paths) == 1 and hkv.is_cache_path(item.paths[0])):
+            if not request.shared:
                 for i in range(len(request.questions)):
                     yield (request, i), lambda request=request, i=i: self._prompt_job(request, i)
                 continue
