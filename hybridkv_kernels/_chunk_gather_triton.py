@@ -33,12 +33,12 @@ def chunk_gather_kernel(
     head = h
     if TABLE:
         ptr = HK.dtype.element_ty
-        HK = tl.load(TAB + h * 12 + 6).to(tl.pointer_type(ptr))
-        HV = tl.load(TAB + h * 12 + 7).to(tl.pointer_type(ptr))
-        SK = tl.load(TAB + h * 12 + 8).to(tl.pointer_type(ptr))
-        SV = tl.load(TAB + h * 12 + 9).to(tl.pointer_type(ptr))
-        SLOT_BASE = tl.load(TAB + h * 12 + 10).to(tl.pointer_type(tl.int64))
-        c = tl.load(TAB + h * 12 + 11).to(tl.int32)
+        HK = tl.load(TAB + h * 13 + 6).to(tl.pointer_type(ptr))
+        HV = tl.load(TAB + h * 13 + 7).to(tl.pointer_type(ptr))
+        SK = tl.load(TAB + h * 13 + 8).to(tl.pointer_type(ptr))
+        SV = tl.load(TAB + h * 13 + 9).to(tl.pointer_type(ptr))
+        SLOT_BASE = tl.load(TAB + h * 13 + 10).to(tl.pointer_type(tl.int64))
+        c = tl.load(TAB + h * 13 + 11).to(tl.int32)
         stride_hkc = c * D
         stride_hvc = c * D
         head = 0
@@ -185,11 +185,12 @@ def _pair_any_order(res_row, want_row, assign_row, n, BLOCK_N: tl.constexpr, BLO
 
 @triton.jit
 def gather_plan_kernel(
-    RESIDENT, WANT, ASSIGN, MOVED, TAB, n, chunk_bytes, stride_rh, stride_wh, stride_ah,
+    RESIDENT, WANT, ASSIGN, MOVED, TAB, n, chunk_bytes, read, stride_rh, stride_wh, stride_ah,
     BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, TABLE: tl.constexpr = False,
 ):
     """Program h: the plan of ``gather_plan`` for head h, written to ASSIGN[h]; RESIDENT[h]
-    updated to what the slots will hold; MOVED += the bytes the gather will copy.
+    updated to what the slots will hold; MOVED += the bytes the gather will copy and ``read``,
+    the bytes the head's ranking read from host memory (one counter of a step's host traffic).
 
     Slot s is a hit when its chunk is wanted; the free slots, in slot order, take the wanted
     chunks that are not resident, in want order (rank of a free slot == rank of a missing id).
@@ -203,11 +204,12 @@ def gather_plan_kernel(
     """
     h = tl.program_id(0)
     head = h
-    if TABLE:  # row h's own slots, resident ids and byte counter (``chunk_bytes``: per element of D)
-        RESIDENT = tl.load(TAB + h * 12 + 4).to(tl.pointer_type(tl.int64))
-        MOVED = tl.load(TAB + h * 12 + 5).to(tl.pointer_type(tl.int64))
-        n = tl.load(TAB + h * 12 + 3).to(tl.int32)
-        chunk_bytes = chunk_bytes * tl.load(TAB + h * 12 + 11)
+    if TABLE:  # row h's own slots, resident ids, byte counter and ranking reads (``chunk_bytes``: per element of D)
+        RESIDENT = tl.load(TAB + h * 13 + 4).to(tl.pointer_type(tl.int64))
+        MOVED = tl.load(TAB + h * 13 + 5).to(tl.pointer_type(tl.int64))
+        n = tl.load(TAB + h * 13 + 3).to(tl.int32)
+        chunk_bytes = chunk_bytes * tl.load(TAB + h * 13 + 11)
+        read = tl.load(TAB + h * 13 + 12)
         head = 0
     res_row = RESIDENT + head * stride_rh
     want_row = WANT + h * stride_wh
@@ -226,4 +228,4 @@ def gather_plan_kernel(
         tl.store(assign_row + slots, tl.where(loaded, -3 - parked, -1), mask=in_n)
         tl.store(res_row + slots, tl.where(loaded, -3 - parked, parked), mask=in_n)
         loads += tl.sum(loaded.to(tl.int32), axis=0)
-    tl.atomic_add(MOVED, loads.to(tl.int64) * chunk_bytes)
+    tl.atomic_add(MOVED, loads.to(tl.int64) * chunk_bytes + read)

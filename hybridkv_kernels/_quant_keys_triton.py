@@ -48,9 +48,9 @@ def quant_key_scores_kernel(
     codes_row = CODES + h * stride_ch
     bounds_row = BOUNDS + h * 2 * D
     if TABLE:
-        codes_row = tl.load(TAB + h * 12).to(tl.pointer_type(tl.uint8))
-        bounds_row = tl.load(TAB + h * 12 + 1).to(tl.pointer_type(tl.float32))
-        P = tl.load(TAB + h * 12 + 2).to(tl.int32) * CHUNK
+        codes_row = tl.load(TAB + h * 13).to(tl.pointer_type(tl.uint8))
+        bounds_row = tl.load(TAB + h * 13 + 1).to(tl.pointer_type(tl.float32))
+        P = tl.load(TAB + h * 13 + 2).to(tl.int32) * CHUNK
         stride_cj = P
     off_g = tl.arange(0, BLOCK_G)
     off_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)

@@ -6,7 +6,8 @@ and byte counter, each its own tensors. :func:`chunk_retrieve` does for every pa
 loaded into the head's ``n`` slots, hits kept), the parts' chunk counts, slot counts and chunk
 lengths all differing. The Triton path is four launches for all parts (scores, top-k, plan,
 copy), each kernel the single-sequence one reading its rows through a table of addresses
-(``TABLE`` mode; the scores from int8 mean keys or from 2-bit keys, one kind per pass). The
+(``TABLE`` mode; the scores from int8 mean keys or from 2-bit keys, on the device or in pinned
+host memory read in place, one kind per pass). The
 torch path ranks and plans the parts of one geometry together (their heads side by side: one
 op for all of them, as a batch's cost on the CPU is mostly per op), then copies each part's
 missing chunks into its own store.
@@ -27,7 +28,7 @@ __all__ = ["RetrievalPart", "RetrievalTable", "chunk_retrieve", "retrieval_table
 
 #: The int64 columns of a row of the table, in kernel order.
 COLUMNS = ("landmarks", "landmark_scale", "chunks", "slots", "resident", "moved", "host_k", "host_v", "store_k",
-           "store_v", "slot_base", "chunk")
+           "store_v", "slot_base", "chunk", "read")
 
 
 class RetrievalPart(NamedTuple):
@@ -35,9 +36,10 @@ class RetrievalPart(NamedTuple):
     ``quant_key_topk``, and ``chunk_gather``).
 
     landmarks [H, C, d] int8 with landmark_scale [H, C] (mean keys), or the 2-bit keys of
-    ``pack_keys``: uint8 codes [H, d/4, C·c] with their bounds [H, 2, d]; host_k, host_v
-    [H, C, c, d]; store_k, store_v [T, d]; slot_base [H]; resident [H, n] (updated in place);
-    moved: 0-d int64, the part's byte counter (added to in place).
+    ``pack_keys``: uint8 codes [H, d/4, C·c] (on the device, or pinned host memory: host keys)
+    with their bounds [H, 2, d]; host_k, host_v [H, C, c, d]; store_k, store_v [T, d]; slot_base
+    [H]; resident [H, n] (updated in place); moved: 0-d int64, the part's byte counter (added to
+    in place); read: the bytes a head's ranking reads from host memory a step (added to moved).
     """
 
     landmarks: torch.Tensor
@@ -49,6 +51,12 @@ class RetrievalPart(NamedTuple):
     slot_base: torch.Tensor
     resident: torch.Tensor
     moved: torch.Tensor
+    read: int = 0
+
+    @property
+    def target(self) -> GatherTarget:
+        return GatherTarget(self.host_k, self.host_v, self.store_k, self.store_v, self.slot_base, self.resident,
+                            self.moved)
 
 
 class RetrievalTable(NamedTuple):
@@ -77,13 +85,14 @@ def retrieval_table(parts: list[RetrievalPart]) -> RetrievalTable:
         for t in (p.landmarks, p.landmark_scale, p.host_k, p.host_v, p.resident, p.slot_base):
             if not t.is_contiguous():
                 raise ValueError("chunk_retrieve needs contiguous tensors")
-        if p.store_k.is_cuda and not (p.host_k.is_pinned() and p.host_v.is_pinned()):
-            raise ValueError("chunk_retrieve reads host chunks in place: they must be pinned")
+        if p.store_k.is_cuda and not (p.host_k.is_pinned() and p.host_v.is_pinned()
+                                      and (p.landmarks.is_cuda or p.landmarks.is_pinned())):
+            raise ValueError("chunk_retrieve reads host chunks and codes in place: they must be pinned")
         heads, chunks, chunk, _ = p.host_k.shape
         for h in range(heads):
             rows.append((p.landmarks[h].data_ptr(), p.landmark_scale[h].data_ptr(), chunks, p.resident.shape[1],
                          p.resident[h].data_ptr(), p.moved.data_ptr(), p.host_k[h].data_ptr(), p.host_v[h].data_ptr(),
-                         p.store_k.data_ptr(), p.store_v.data_ptr(), p.slot_base[h:].data_ptr(), chunk))
+                         p.store_k.data_ptr(), p.store_v.data_ptr(), p.slot_base[h:].data_ptr(), chunk, p.read))
     table = torch.tensor(rows, dtype=torch.int64)
     device = first.store_k.device
     table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
@@ -148,10 +157,12 @@ def _together(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: 
     else:
         want = chunk_topk(q, landmarks, n, landmark_scale=scale, backend=backend)
     if len(parts) == 1:
-        chunk_gather(first.host_k, first.host_v, first.store_k, first.store_v, first.slot_base, first.resident,
-                     want, backend, first.moved)
+        chunk_gather(*first.target[:6], want, backend, first.moved, first.read)
         return
-    copy_assigned([GatherTarget(*p[2:]) for p in parts], gather_plan(_cat([p.resident for p in parts]), want, chunks))
+    copy_assigned([p.target for p in parts], gather_plan(_cat([p.resident for p in parts]), want, chunks))
+    for p in parts:
+        if p.read:
+            p.moved.add_(p.read * p.resident.shape[0])
 
 
 def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable, swaps: int = 0, stickiness: float = 0.0
@@ -181,7 +192,7 @@ def _launch(q: torch.Tensor, first: RetrievalPart, tab: RetrievalTable, swaps: i
     else:
         launch_topk(scores, n_max, out=want, table=table)
     mod_gat.gather_plan_kernel[(rows,)](
-        first.resident, want, assign, first.moved, table, n_max, d * 2 * first.host_k.element_size(),
+        first.resident, want, assign, first.moved, table, n_max, d * 2 * first.host_k.element_size(), 0,
         0, want.stride(0), assign.stride(0),
         BLOCK_N=min(64, next_power_of_2(n_max)), BLOCK_J=min(64, next_power_of_2(n_max)), TABLE=True,
     )

@@ -104,7 +104,7 @@ def _side_stream(device: torch.device):
     return _SIDE_STREAMS[idx]
 
 
-def chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None):
+def chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None, read=0):
     """Torch path of :func:`chunk_gather` (the reference semantics; the CPU path): the plan
     (:func:`gather_plan`), then :func:`copy_assigned`."""
     _check(host_k, host_v, store_k, store_v, slot_base, resident, want)
@@ -112,6 +112,8 @@ def chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, wa
         moved = torch.zeros((), dtype=torch.int64, device=store_k.device)
     target = GatherTarget(host_k, host_v, store_k, store_v, slot_base, resident, moved)
     copy_assigned([target], gather_plan(resident, want, host_k.shape[1]))
+    if read:
+        moved.add_(read * host_k.shape[0])
     return moved
 
 
@@ -189,7 +191,7 @@ def _copy_chunks(t: GatherTarget, src: torch.Tensor, dst: torch.Tensor) -> None:
         store.index_copy_(0, dst, buf.view(m * c, d).to(store.dtype))
 
 
-def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None):
+def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None, read=0):
     """Zero-copy Triton path of :func:`chunk_gather` (see ``_chunk_gather_triton.py``).
 
     On CUDA the host tensors must be pinned (read through UVA); under the interpreter every
@@ -197,10 +199,10 @@ def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, w
     ``RuntimeError`` where Triton cannot run these tensors.
     """
     resolve_backend("triton", store_k)
-    return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved)
+    return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved, read)
 
 
-def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None):
+def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None, read=0):
     """:func:`chunk_gather_triton` once the backend is resolved."""
     _check(host_k, host_v, store_k, store_v, slot_base, resident, want)
     if store_k.is_cuda and not (host_k.is_pinned() and host_v.is_pinned()):
@@ -221,7 +223,7 @@ def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=N
         want = want.to(device=dev, dtype=torch.int64).contiguous()
         assign = torch.empty_like(resident_in)
         mod.gather_plan_kernel[(H,)](
-            resident_in, want, assign, moved, base, n, c * d * 2 * host_k.element_size(),
+            resident_in, want, assign, moved, base, n, c * d * 2 * host_k.element_size(), read,
             resident_in.stride(0), want.stride(0), assign.stride(0),
             BLOCK_N=min(64, next_power_of_2(n)), BLOCK_J=min(64, next_power_of_2(n)),  # tiles: any n
         )
@@ -237,7 +239,7 @@ def _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=N
     return moved  # stays on the device: no sync
 
 
-def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, backend="auto", moved=None):
+def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, backend="auto", moved=None, read=0):
     """Make each dynamic head's device slots hold exactly its wanted chunks.
 
     Parameters
@@ -258,6 +260,9 @@ def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, ba
         path needs the plan on the host (see :mod:`hybridkv_kernels.dispatch`).
     moved : Tensor (0-d, int64, on the store's device), optional
         A byte counter to add the bytes moved to (in place, on the device), and return.
+    read : int
+        Bytes each head's ranking read from host memory this step (host keys), added to ``moved``
+        in the plan's launch: a step's host traffic is one counter.
 
     Returns
     -------
@@ -267,5 +272,5 @@ def chunk_gather(host_k, host_v, store_k, store_v, slot_base, resident, want, ba
         generation and read it once at the end.
     """
     if resolve_backend(backend, store_k) == "triton":
-        return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved)
-    return chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved)
+        return _launch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved, read)
+    return chunk_gather_torch(host_k, host_v, store_k, store_v, slot_base, resident, want, moved, read)

@@ -125,7 +125,8 @@ def summary(rows):
     return out
 
 result = {}
-for label, options in (("default", {}), ("no refresh", {"refresh": "none"})):
+for label, options in (("default", {}), ("no refresh", {"refresh": "none"}),
+                       ("host keys", {"refresh": "none", "landmark": "host-keys"})):
     policy = make_policy("hybridkv", budget=0.2, **options)
     steps.clear()
     generation = generate(llama.model, prompts[0], policy, max_new_tokens=NEW)
@@ -213,6 +214,15 @@ def test_no_sync_in_any_layer_step(counts, run):
 
 
 @pytest.mark.parametrize("run", ["single", "batch"])
+def test_host_keys_take_the_launches_of_device_keys(counts, run):
+    """Codes in host memory change where the scores kernel reads, not the step: no sync, and the
+    launches of 2-bit keys on the device, a batch's members ranked in one pass."""
+    host, device = counts["host keys"][run]["all"], counts["no refresh"][run]["all"]
+    assert host["syncs"] == 0, counts["host keys"][run]
+    assert host["max_launches"] == device["max_launches"], (host, device)
+
+
+@pytest.mark.parametrize("run", ["single", "batch"])
 def test_refresh_fires_on_some_layer_steps_and_not_on_others(counts, run):
     part = counts["default"][run]
     assert part["both kinds, refresh fired"]["layer_steps"] > 0, part
@@ -231,7 +241,7 @@ def test_launches_within_the_ceilings(counts, run):
 
 
 def test_the_batch_is_planned_and_gives_the_single_runs_tokens(counts):
-    for label in ("default", "no refresh"):
+    for label in ("default", "no refresh", "host keys"):
         assert counts[label]["batch"]["all"]["planned"] is True
         assert counts[label]["batch_tokens"][0] == counts[label]["tokens"]
 

@@ -353,11 +353,11 @@ def test_gather_plan_kernel_tiles_match_the_reference(block_n, block_j, order):
         assert torch.equal(expect, hk.gather_plan(resident, want, C))
     res, assign = resident.clone().to(DEV), torch.empty(H, n, dtype=torch.int64, device=DEV)
     moved = torch.zeros((), dtype=torch.int64, device=DEV)
-    mod.gather_plan_kernel[(H,)](res, want.to(DEV), assign, moved, moved, n, 10, res.stride(0), n, n,
+    mod.gather_plan_kernel[(H,)](res, want.to(DEV), assign, moved, moved, n, 10, 7, res.stride(0), n, n,
                                  BLOCK_N=block_n, BLOCK_J=block_j)
     assert torch.equal(assign.cpu(), expect)
     assert torch.equal(res.cpu(), torch.where(expect >= 0, expect, resident))
-    assert int(moved) == 10 * int((expect >= 0).sum())
+    assert int(moved) == 10 * int((expect >= 0).sum()) + 7 * H  # the copies and each head's ranking reads
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -394,7 +394,7 @@ def _retrieval_part(heads, chunks, chunk, slots, d, dtype, seed, two_bit=False):
 
 
 def _copy(part):
-    return hk.RetrievalPart(*[t.clone() if t.device == DEV else t for t in part])
+    return part._replace(**{f: t.clone() for f, t in part._asdict().items() if torch.is_tensor(t) and t.device == DEV})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -435,14 +435,20 @@ def test_the_capped_selection_is_its_torch_reference(limit, block, bonus):
     assert torch.equal(got.cpu(), expected)
 
 
-@pytest.mark.parametrize("chunk,swaps,stickiness", [(1, 0, 0.0), (4, 0, 0.0), (1, 3, 0.5), (1, 0, 1.0)])
-def test_chunk_retrieve_with_two_bit_keys_is_each_part_alone(chunk, swaps, stickiness):
+@pytest.mark.parametrize("chunk,swaps,stickiness,host", [(1, 0, 0.0, False), (4, 0, 0.0, False), (1, 3, 0.5, False),
+                                                        (1, 0, 1.0, False), (1, 0, 0.0, True)])
+def test_chunk_retrieve_with_two_bit_keys_is_each_part_alone(chunk, swaps, stickiness, host):
     """Parts ranked by 2-bit keys (different head, token and slot counts), in one pass: the slots,
-    resident ids and byte counts of quant_key_topk + chunk_gather part by part."""
+    resident ids and byte counts of quant_key_topk + chunk_gather part by part. ``host``: the
+    codes in host memory (pinned on CUDA), each head's ranking reading all of its codes a step,
+    counted in the part's bytes."""
     d, G = 16, 3
     parts = [_retrieval_part(2, 48, chunk, 8, d, torch.float32, 0, True),
              _retrieval_part(1, 150, chunk, 12, d, torch.float32, 1, True),
              _retrieval_part(3, 20, chunk, 4, d, torch.float32, 2, True)]
+    if host:
+        parts = [p._replace(landmarks=p.landmarks.cpu().pin_memory() if DEV.type == "cuda" else p.landmarks,
+                            read=p.landmarks[0].numel()) for p in parts]
     alone = [_copy(p) for p in parts]
     q = torch.randn(6, G, d).to(DEV)
     for step in range(2):
@@ -453,7 +459,7 @@ def test_chunk_retrieve_with_two_bit_keys_is_each_part_alone(chunk, swaps, stick
             want = hk.quant_key_topk(rows, p.landmarks, p.landmark_scale, chunk, p.resident.shape[1], "triton",
                                      resident=p.resident, swaps=swaps, stickiness=stickiness)
             p.moved.add_(hk.chunk_gather_triton(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident,
-                                                want))
+                                                want) + p.read * p.resident.shape[0])
         for a, b in zip(parts, alone):
             assert torch.equal(a.resident, b.resident) and int(a.moved) == int(b.moved) > 0
             assert torch.equal(a.store_k, b.store_k) and torch.equal(a.store_v, b.store_v)

@@ -309,13 +309,16 @@ def _part(heads, chunks, chunk, slots, d, seed, two_bit):
                             torch.arange(heads) * (slots * chunk + 3) + 2, resident, torch.zeros((), dtype=torch.long))
 
 
-@pytest.mark.parametrize("two_bit,swaps,stickiness", [(False, 0, 0.0), (True, 0, 0.0), (True, 2, 0.0), (True, 0, 1.0)])
-def test_chunk_retrieve_torch_is_each_part_alone(two_bit, swaps, stickiness):
+@pytest.mark.parametrize("two_bit,swaps,stickiness,read", [(False, 0, 0.0, 0), (True, 0, 0.0, 0), (True, 2, 0.0, 0),
+                                                          (True, 0, 1.0, 0), (True, 0, 0.0, 96)])
+def test_chunk_retrieve_torch_is_each_part_alone(two_bit, swaps, stickiness, read):
     """The torch path ranks and plans parts of one geometry together (here two of three, with
-    different head counts): exactly the slots, resident ids and byte counts of each part alone."""
+    different head counts): exactly the slots, resident ids and byte counts of each part alone
+    (``read``: host bytes each head's ranking reads a step, as host keys do, counted too)."""
     d, G = 16, 3
     parts = [_part(2, 24, 4, 6, d, 0, two_bit), _part(1, 30, 2, 5, d, 1, two_bit), _part(3, 24, 4, 6, d, 2, two_bit)]
-    alone = [hk.RetrievalPart(*[t.clone() for t in p]) for p in parts]
+    parts = [p._replace(read=read) for p in parts]
+    alone = [p._replace(**{f: t.clone() for f, t in p._asdict().items() if torch.is_tensor(t)}) for p in parts]
     q = torch.randn(6, G, d)
     for step in range(2):  # the second step keeps the hits of the first
         hk.chunk_retrieve(list(torch.split(q * (step + 1), [2, 1, 3])), parts, backend="torch", swaps=swaps,
@@ -326,6 +329,7 @@ def test_chunk_retrieve_torch_is_each_part_alone(two_bit, swaps, stickiness):
                                       swaps=swaps, stickiness=stickiness) if two_bit
                     else hk.chunk_topk(rows, p.landmarks, n, landmark_scale=p.landmark_scale, backend="torch"))
             hk.chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want, "torch", p.moved)
+            p.moved.add_(read * p.resident.shape[0])
         for a, b in zip(parts, alone):
             assert torch.equal(a.resident, b.resident) and int(a.moved) == int(b.moved) > 0
             assert torch.equal(a.store_k, b.store_k) and torch.equal(a.store_v, b.store_v)
@@ -523,7 +527,7 @@ def test_kernels_compile_for_sm90_without_spills():
         _compile_sm90(top.topk_select_kernel, dict(SCORES=f32, OUT=i64, TAB=i64, C=8188, K=512,
                                                    stride_sh=8188, stride_oh=512), dict(BLOCK=1024, TABLE=table))
         _compile_sm90(gat.gather_plan_kernel, dict(
-            RESIDENT=i64, WANT=i64, ASSIGN=i64, MOVED=i64, TAB=i64, n=512, chunk_bytes=4096, stride_rh=512,
+            RESIDENT=i64, WANT=i64, ASSIGN=i64, MOVED=i64, TAB=i64, n=512, chunk_bytes=4096, read=131072, stride_rh=512,
             stride_wh=512, stride_ah=512), dict(BLOCK_N=64, BLOCK_J=64, TABLE=table))
         _compile_sm90(gat.chunk_gather_kernel, dict(
             HK=bf16, HV=bf16, SK=bf16, SV=bf16, SLOT_BASE=i64, ASSIGN=i64, TAB=i64, c=8, D=128,

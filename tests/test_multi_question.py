@@ -64,25 +64,42 @@ def test_questions_decoded_together_equal_one_by_one(demo, video, method, budget
 
 def test_host_keys_decoded_together_equal_one_by_one(demo, video):
     """At b = 0.05 (fp32) ``auto`` keeps the 2-bit keys in host memory with every head dynamic;
-    those heads rank one sequence at a time in a batch, and answer as one by one."""
+    a batch's members are ranked in one pass over their host codes, and answer, and count the
+    host bytes their rankings read and their slots copied, as one by one."""
     policy = make_policy("hybridkv", budget=0.05)
-    prefix = assert_together_equals_alone(demo, video, policy)
+    prefix = assert_together_equals_alone(demo, video, policy, same_bytes=True)
     assert {type(kv.dynamic.landmarks).__name__ for kv in prefix.state[0]} == {"HostKeys"}
 
 
-def assert_together_equals_alone(demo, video, policy):
+def test_a_batch_ranks_host_keys_in_one_pass(demo, video, monkeypatch):
+    """The members' host-key heads go through ``chunk_retrieve`` together (one ranking for the
+    batch), not one sequence at a time."""
+    import hybridkv_cli.compression.retrieval as retrieval
+
+    passes = []
+    original = retrieval.chunk_retrieve
+    monkeypatch.setattr(retrieval, "chunk_retrieve", lambda queries, parts, *a, **k: (
+        passes.append(len(parts)), original(queries, parts, *a, **k))[1])
+    assert_together_equals_alone(demo, video, make_policy("hybridkv", budget=0.05))
+    assert max(passes) == 3
+
+
+def assert_together_equals_alone(demo, video, policy, same_bytes=False):
     """Questions of different lengths over one compressed prefix, decoded 3 at a time, give the
-    tokens of one by one; returns the prefix."""
+    tokens (``same_bytes``: and the host bytes) of one by one; returns the prefix."""
     tok = demo.processor.tokenizer
     p = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
     template = QuestionTemplate.of(tok, p, TEMPLATE_QUESTION)
     prefix = compress_prefix(demo.model, p, policy, template)
     suffixes = [template.suffix(tok, q) for q in [*QUESTIONS, "Is there a circle? Answer yes or no."]]
     assert len({len(s) for s in suffixes}) > 1
-    alone = [g.tokens for g in answer_all(demo.model, prefix, suffixes, NEW)]
+    alone = answer_all(demo.model, prefix, suffixes, NEW)
     together = answer_all(demo.model, prefix, suffixes, NEW, Limits(batch_size=3))
-    assert [g.tokens for g in together] == alone, policy
+    assert [g.tokens for g in together] == [g.tokens for g in alone], policy
     assert all(len(g.tokens) == NEW for g in together)
+    if same_bytes:
+        moved = [g.cache.transferred_bytes() for g in alone]
+        assert [g.cache.transferred_bytes() for g in together] == moved and min(moved) > 0
     return prefix
 
 

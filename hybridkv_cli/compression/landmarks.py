@@ -193,10 +193,8 @@ class QuantKeys(Landmarks):
 class HostKeys(QuantKeys):
     """:class:`QuantKeys` whose codes stay in host memory: the device holds each channel's range
     (8·d bytes a head), and every step reads all the codes from the host to rank (the traffic
-    this trades for device bytes, counted). Not ranked in ``chunk_retrieve``'s one pass (its
-    table reads device codes)."""
-
-    pass_tensors = None
+    this trades for device bytes, counted). A batch's members are ranked in ``chunk_retrieve``'s
+    one pass, its table pointing at each member's pinned codes."""
 
     @classmethod
     def build(cls, chunks: torch.Tensor) -> "HostKeys":

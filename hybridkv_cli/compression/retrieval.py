@@ -92,16 +92,19 @@ class DynamicHeads:
             return
         want = self.landmarks.top(query[self.heads], self.resident.shape[1], self.resident, swaps=self.swaps,
                                   stickiness=self.stickiness)
-        if read := self.landmarks.read_bytes(self.resident.shape[1]):  # host bytes the ranking read
-            self.transferred.add_(read)
         chunk_gather(self.host_k, self.host_v, store.keys, store.values, self.slot_base, self.resident, want, backend,
-                     self.transferred)
+                     self.transferred, self.read_per_head())
+
+    def read_per_head(self) -> int:
+        """Host bytes one head's ranking reads a step (host keys, labels' second stage; else 0)."""
+        return self.landmarks.read_bytes(self.resident.shape[1]) // max(1, len(self.heads))
 
     @staticmethod
     def one_pass(items: list[tuple["DynamicHeads", torch.Tensor, RaggedStore]]) -> list:
         """The ``(heads, query, store)`` items that :func:`~hybridkv_kernels.chunk_retrieve` serves
         in one pass: those with slots, ranked by the kind of the first one's landmarks when it has
-        a retrieval kernel (mean keys, 2-bit keys with the first one's chunk length)."""
+        a retrieval kernel (mean keys, 2-bit keys on the device or in host memory, with the first
+        one's chunk length)."""
         ready = [(d, q, s) for d, q, s in items
                  if d.resident.shape[1] and getattr(d.landmarks, "pass_tensors", None) is not None]
         if not ready:
@@ -114,7 +117,7 @@ class DynamicHeads:
     def parts(items: list) -> list[RetrievalPart]:
         """The retrieval parts of :meth:`one_pass` items (for a reusable ``retrieval_table``)."""
         return [RetrievalPart(*d.landmarks.pass_tensors, d.host_k, d.host_v, s.keys, s.values,
-                              d.slot_base, d.resident, d.transferred) for d, _, s in items]
+                              d.slot_base, d.resident, d.transferred, d.read_per_head()) for d, _, s in items]
 
     @staticmethod
     def refresh_all(items: list[tuple["DynamicHeads", torch.Tensor, RaggedStore]], backend: str = "auto",

@@ -40,11 +40,11 @@ QUEST_PAGE = 8
 # Kernels per layer-step beyond the model's own: the KV append and the attention (every method),
 # then each method's ranking and gather (the ceilings of the emulated CUDA step,
 # tests/test_cuda_path.py; the swap cap runs inside the selection's launch). ``shared`` kernels
-# serve a whole batch in one launch; ``per_member`` run once per sequence (the host-code rankings
-# rank one sequence at a time).
+# serve a whole batch in one launch; ``per_member`` run once per sequence (the label index's two
+# stages rank one sequence at a time; host keys rank a batch in one pass, as device keys do).
 KERNELS = {  # method -> (shared, per_member)
     "full": (3, 0), "one-shot": (3, 0), "quest": (6, 0),
-    "keys": (7, 0), "mean": (7, 0), "host-keys": (3, 4), "labels": (3, 6),
+    "keys": (7, 0), "mean": (7, 0), "host-keys": (7, 0), "labels": (3, 6),
 }
 
 
