@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv_cli.compression.base import LayerKV
+from hybridkv_cli.compression.host_memory import host_empty
 from hybridkv_kernels import RaggedKV
 
 # Generated tokens are appended in blocks of this many rows: one reallocation per block, and at
@@ -30,8 +31,7 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     host memory for a GPU (a streamed prefill's), so copies back to the device can be
     asynchronous and a kernel can read it in place."""
     pinned = tensor.is_cuda or (tensor.device.type == "cpu" and torch.cuda.is_available())
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
-    return host.copy_(tensor)
+    return host_empty(tensor.shape, tensor.dtype, pinned).copy_(tensor)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from hybridkv_cli.compression.host_memory import host_empty
 from hybridkv_cli.engine.state_kinds import DTYPES, KIND_OF, KINDS, attributes, conforms, read_only
 
 #: Deepest nesting a tree may have (a state nests a few levels; a deeper tree is not one).
@@ -229,7 +230,7 @@ def clone(graph: Any, flat: tuple | None = None) -> Any:
             if info[key]["fixed"]:
                 copies[key] = data
             elif info[key]["pinned"]:
-                copies[key] = torch.empty(data.shape, dtype=torch.uint8, pin_memory=True).copy_(data)
+                copies[key] = host_empty(data.shape, torch.uint8).copy_(data)
             else:
                 copies[key] = data.clone()
     return rebuild(copies, tree, checked=False)

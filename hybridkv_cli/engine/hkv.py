@@ -29,6 +29,7 @@ import os
 import torch
 
 from hybridkv_cli.compression.base import Policy, check_budget
+from hybridkv_cli.compression.host_memory import host_empty
 from hybridkv_cli.engine.graph import GraphError, flatten, rebuild
 from hybridkv_cli.engine.prefix import Prefix
 from hybridkv_cli.engine.state_kinds import StateError, check_layers, schema_digest
@@ -261,7 +262,7 @@ def _build(header: dict, tensors: dict, loaded) -> Prefix:
         if info["device"] != "cpu":
             data = data.to(device)
         elif device.type == "cuda" and data.numel():  # host state read in place by the kernels: pinned,
-            data = data.pin_memory()                   # however the file was saved
+            data = host_empty(data.shape, data.dtype).copy_(data)  # however the file was saved
         storages[key] = data
     rebuilt = rebuild(storages, header["tree"])
     if type(rebuilt) is not tuple or len(rebuilt) != 2 or type(rebuilt[1]) is not tuple or len(rebuilt[1]) != 3:

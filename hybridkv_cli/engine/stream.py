@@ -34,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hybridkv_cli.compression import Policy
 from hybridkv_cli.compression.cache import AttendingCache, PolicyCache, layer_count, policy_attention
+from hybridkv_cli.compression.host_memory import host_empty
 from hybridkv_cli.compression.store import tensor_bytes
 from hybridkv_cli.engine.graph import to_device
 from hybridkv_cli.io.errors import UsageError
@@ -90,9 +91,8 @@ class WorkingLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states, value_states) -> None:
         heads, dim = key_states.shape[1], key_states.shape[-1]
-        pinned = key_states.is_cuda
-        self.host_k = torch.empty(heads, self.length, dim, dtype=key_states.dtype, pin_memory=pinned)
-        self.host_v = torch.empty(heads, self.length, dim, dtype=key_states.dtype, pin_memory=pinned)
+        self.host_k = host_empty((heads, self.length, dim), key_states.dtype, key_states.is_cuda)
+        self.host_v = host_empty((heads, self.length, dim), key_states.dtype, key_states.is_cuda)
         self.keys, self.values = key_states[0, :, :0], value_states[0, :, :0]
         self.index = self.index.to(key_states.device)
         self.device = key_states.device
