@@ -34,13 +34,14 @@ from .decode_attention import (
     ragged_decode_attention_triton,
 )
 from .dispatch import BACKENDS, HAS_TRITON, cuda_path, emulating_cuda, resolve_backend, triton_interpreting
-from .quant_keys import pack_keys, quant_key_scores_torch, quant_key_topk, unpack_codes
+from .quant_keys import aligned_rows, code_row, pack_keys, quant_key_scores_torch, quant_key_topk, unpack_codes
 from .refresh_step import RefreshState, refresh_want
 from .segments import RaggedKV, SegmentTable, segment_table
 from .swap_cap import cap_scores
 from .window_scores import window_scores, window_scores_torch
 
 __all__ = [
+    "aligned_rows",
     "BACKENDS",
     "RaggedKV",
     "RetrievalPart",
@@ -59,6 +60,7 @@ __all__ = [
     "chunk_topk",
     "chunk_topk_torch",
     "chunk_topk_triton",
+    "code_row",
     "cuda_path",
     "decode_split_heuristic",
     "dense_decode_attention",

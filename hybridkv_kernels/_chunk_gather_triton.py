@@ -33,12 +33,12 @@ def chunk_gather_kernel(
     head = h
     if TABLE:
         ptr = HK.dtype.element_ty
-        HK = tl.load(TAB + h * 13 + 6).to(tl.pointer_type(ptr))
-        HV = tl.load(TAB + h * 13 + 7).to(tl.pointer_type(ptr))
-        SK = tl.load(TAB + h * 13 + 8).to(tl.pointer_type(ptr))
-        SV = tl.load(TAB + h * 13 + 9).to(tl.pointer_type(ptr))
-        SLOT_BASE = tl.load(TAB + h * 13 + 10).to(tl.pointer_type(tl.int64))
-        c = tl.load(TAB + h * 13 + 11).to(tl.int32)
+        HK = tl.load(TAB + h * 14 + 6).to(tl.pointer_type(ptr))
+        HV = tl.load(TAB + h * 14 + 7).to(tl.pointer_type(ptr))
+        SK = tl.load(TAB + h * 14 + 8).to(tl.pointer_type(ptr))
+        SV = tl.load(TAB + h * 14 + 9).to(tl.pointer_type(ptr))
+        SLOT_BASE = tl.load(TAB + h * 14 + 10).to(tl.pointer_type(tl.int64))
+        c = tl.load(TAB + h * 14 + 11).to(tl.int32)
         stride_hkc = c * D
         stride_hvc = c * D
         head = 0
@@ -205,11 +205,11 @@ def gather_plan_kernel(
     h = tl.program_id(0)
     head = h
     if TABLE:  # row h's own slots, resident ids, byte counter and ranking reads (``chunk_bytes``: per element of D)
-        RESIDENT = tl.load(TAB + h * 13 + 4).to(tl.pointer_type(tl.int64))
-        MOVED = tl.load(TAB + h * 13 + 5).to(tl.pointer_type(tl.int64))
-        n = tl.load(TAB + h * 13 + 3).to(tl.int32)
-        chunk_bytes = chunk_bytes * tl.load(TAB + h * 13 + 11)
-        read = tl.load(TAB + h * 13 + 12)
+        RESIDENT = tl.load(TAB + h * 14 + 4).to(tl.pointer_type(tl.int64))
+        MOVED = tl.load(TAB + h * 14 + 5).to(tl.pointer_type(tl.int64))
+        n = tl.load(TAB + h * 14 + 3).to(tl.int32)
+        chunk_bytes = chunk_bytes * tl.load(TAB + h * 14 + 11)
+        read = tl.load(TAB + h * 14 + 12)
         head = 0
     res_row = RESIDENT + head * stride_rh
     want_row = WANT + h * stride_wh

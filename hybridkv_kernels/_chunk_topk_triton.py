@@ -42,9 +42,9 @@ def chunk_scores_kernel(
     cb = tl.program_id(1)
     row = h
     if TABLE:
-        LM = tl.load(TAB + h * 13).to(tl.pointer_type(LM.dtype.element_ty))
-        LM_SCALE = tl.load(TAB + h * 13 + 1).to(tl.pointer_type(tl.float32))
-        C = tl.load(TAB + h * 13 + 2).to(tl.int32)
+        LM = tl.load(TAB + h * 14).to(tl.pointer_type(LM.dtype.element_ty))
+        LM_SCALE = tl.load(TAB + h * 14 + 1).to(tl.pointer_type(tl.float32))
+        C = tl.load(TAB + h * 14 + 2).to(tl.int32)
         row = 0  # the table's addresses are the row's own
     off_g = tl.arange(0, BLOCK_G)
     off_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -118,8 +118,8 @@ def topk_select_kernel(
     (``TABLE``: the row's own C and K, from TAB)."""
     h = tl.program_id(0)
     if TABLE:
-        C = tl.load(TAB + h * 13 + 2).to(tl.int32)
-        K = tl.load(TAB + h * 13 + 3).to(tl.int32)
+        C = tl.load(TAB + h * 14 + 2).to(tl.int32)
+        K = tl.load(TAB + h * 14 + 3).to(tl.int32)
     _select(SCORES + h * stride_sh, OUT + h * stride_oh, C, K, BLOCK)
 
 
@@ -167,9 +167,9 @@ def capped_topk_kernel(
     h = tl.program_id(0)
     res = RES + h * stride_rh
     if TABLE:
-        C = tl.load(TAB + h * 13 + 2).to(tl.int32)
-        K = tl.load(TAB + h * 13 + 3).to(tl.int32)
-        res = tl.load(TAB + h * 13 + 4).to(tl.pointer_type(tl.int64))
+        C = tl.load(TAB + h * 14 + 2).to(tl.int32)
+        K = tl.load(TAB + h * 14 + 3).to(tl.int32)
+        res = tl.load(TAB + h * 14 + 4).to(tl.pointer_type(tl.int64))
     base = SCORES + h * stride_sh
     save = SAVE + h * stride_vh
     offs = tl.arange(0, BLOCK)

@@ -40,18 +40,18 @@ def quant_key_scores_kernel(
 
     One program per (head, block of BLOCK_P tokens): the packed bytes [d/4, BLOCK_P] are read
     once per channel (four channels a byte, from cache after the first) and unpacked in
-    registers (:func:`code_logits`). ``TABLE`` (``chunk_retrieve``): row h's codes, bounds and
-    chunk count are its own (TAB columns 0, 1, 2 of batched_retrieval.COLUMNS).
+    registers (:func:`code_logits`). ``TABLE`` (``chunk_retrieve``): row h's codes, bounds, chunk
+    count and code row stride are its own (TAB columns 0, 1, 2 and 13 of batched_retrieval.COLUMNS).
     """
     h = tl.program_id(0)
     pb = tl.program_id(1)
     codes_row = CODES + h * stride_ch
     bounds_row = BOUNDS + h * 2 * D
     if TABLE:
-        codes_row = tl.load(TAB + h * 13).to(tl.pointer_type(tl.uint8))
-        bounds_row = tl.load(TAB + h * 13 + 1).to(tl.pointer_type(tl.float32))
-        P = tl.load(TAB + h * 13 + 2).to(tl.int32) * CHUNK
-        stride_cj = P
+        codes_row = tl.load(TAB + h * 14).to(tl.pointer_type(tl.uint8))
+        bounds_row = tl.load(TAB + h * 14 + 1).to(tl.pointer_type(tl.float32))
+        P = tl.load(TAB + h * 14 + 2).to(tl.int32) * CHUNK
+        stride_cj = tl.load(TAB + h * 14 + 13)
     off_g = tl.arange(0, BLOCK_G)
     off_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_g = off_g < G

@@ -28,7 +28,7 @@ __all__ = ["RetrievalPart", "RetrievalTable", "chunk_retrieve", "retrieval_table
 
 #: The int64 columns of a row of the table, in kernel order.
 COLUMNS = ("landmarks", "landmark_scale", "chunks", "slots", "resident", "moved", "host_k", "host_v", "store_k",
-           "store_v", "slot_base", "chunk", "read")
+           "store_v", "slot_base", "chunk", "read", "code_row")
 
 
 class RetrievalPart(NamedTuple):
@@ -81,10 +81,10 @@ def retrieval_table(parts: list[RetrievalPart]) -> RetrievalTable:
     if _two_bit(first) and any(p.host_k.shape[2] != first.host_k.shape[2] for p in parts):
         raise ValueError("chunk_retrieve needs one chunk length for every part ranked by 2-bit keys")
     rows = []
-    for p in parts:
-        for t in (p.landmarks, p.landmark_scale, p.host_k, p.host_v, p.resident, p.slot_base):
-            if not t.is_contiguous():
-                raise ValueError("chunk_retrieve needs contiguous tensors")
+    for p in parts:  # 2-bit code rows may be padded (pack_keys aligns them): the table holds their stride
+        if not all(t.is_contiguous() for t in (p.landmark_scale, p.host_k, p.host_v, p.resident, p.slot_base)) \
+                or p.landmarks.stride(-1) != 1 or p.landmarks.stride(0) != p.landmarks.shape[1] * p.landmarks.stride(1):
+            raise ValueError("chunk_retrieve needs contiguous tensors (2-bit codes: rows of any stride)")
         if p.store_k.is_cuda and not (p.host_k.is_pinned() and p.host_v.is_pinned()
                                       and (p.landmarks.is_cuda or p.landmarks.is_pinned())):
             raise ValueError("chunk_retrieve reads host chunks and codes in place: they must be pinned")
@@ -92,7 +92,8 @@ def retrieval_table(parts: list[RetrievalPart]) -> RetrievalTable:
         for h in range(heads):
             rows.append((p.landmarks[h].data_ptr(), p.landmark_scale[h].data_ptr(), chunks, p.resident.shape[1],
                          p.resident[h].data_ptr(), p.moved.data_ptr(), p.host_k[h].data_ptr(), p.host_v[h].data_ptr(),
-                         p.store_k.data_ptr(), p.store_v.data_ptr(), p.slot_base[h:].data_ptr(), chunk, p.read))
+                         p.store_k.data_ptr(), p.store_v.data_ptr(), p.slot_base[h:].data_ptr(), chunk, p.read,
+                         p.landmarks.stride(1)))
     table = torch.tensor(rows, dtype=torch.int64)
     device = first.store_k.device
     table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table

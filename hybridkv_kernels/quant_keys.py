@@ -19,18 +19,37 @@ from .chunk_topk import _topk_ids_from_scores, launch_topk
 from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
 from .swap_cap import cap_scores
 
-__all__ = ["pack_keys", "quant_key_scores_torch", "quant_key_topk", "unpack_codes"]
+__all__ = ["aligned_rows", "code_row", "pack_keys", "quant_key_scores_torch", "quant_key_topk", "unpack_codes"]
 
 SHIFTS = (0, 2, 4, 6)  # channel 4j + s sits at bits 2s of byte j
 TILE_TOKENS = 512  # tokens the torch path unpacks at a time
+ROW_ALIGN = 128  # bytes: a code row starts on a 128-byte line, so a kernel's tile of a row is whole lines
+
+
+def code_row(tokens: int) -> int:
+    """Bytes between the starts of two code rows of ``tokens`` tokens: padded to whole lines."""
+    return -(-tokens // ROW_ALIGN) * ROW_ALIGN
+
+
+def aligned_rows(codes: torch.Tensor, empty=None) -> torch.Tensor:
+    """``codes`` [H, d/4, P] copied into rows of :func:`code_row` bytes (a view of their first
+    P): read from the host in place, a misaligned row costs a kernel's tile an extra transaction
+    a line. ``empty(shape, dtype)`` allocates (default: ``torch.empty`` on the codes' device)."""
+    heads, quarters, tokens = codes.shape
+    shape = (heads, quarters, code_row(tokens))
+    padded = empty(shape, codes.dtype) if empty else torch.empty(shape, dtype=codes.dtype, device=codes.device)
+    view = padded[:, :, :tokens]
+    padded[:, :, tokens:] = 0
+    return view.copy_(codes)
 
 
 def pack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``keys`` [H, P, d] (d divisible by 4) at 2 bits per channel.
 
     Returns ``(codes, bounds)``: uint8 [H, d/4, P] (byte ``j`` of token ``p`` holds channels
-    ``4j .. 4j+3``, low bits first; channel-major, so a query's product is one matmul), and fp32
-    [H, 2, d], each channel's ``low`` and ``scale`` with ``k ≈ low + scale * code``.
+    ``4j .. 4j+3``, low bits first; channel-major, so a query's product is one matmul; each row
+    padded to :func:`code_row` bytes, see :func:`aligned_rows`), and fp32 [H, 2, d], each
+    channel's ``low`` and ``scale`` with ``k ≈ low + scale * code``.
     """
     heads, tokens, dim = keys.shape
     if dim % 4:
@@ -41,7 +60,7 @@ def pack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.round((k - low[:, None]) / scale[:, None]).clamp_(0, 3).to(torch.uint8)
     fours = codes.transpose(1, 2).unflatten(1, (dim // 4, 4))  # [H, d/4, 4, P]
     packed = fours[:, :, 0] | fours[:, :, 1] << 2 | fours[:, :, 2] << 4 | fours[:, :, 3] << 6
-    return packed.contiguous(), torch.stack([low, scale], dim=1)
+    return aligned_rows(packed), torch.stack([low, scale], dim=1)
 
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:

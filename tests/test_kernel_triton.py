@@ -435,17 +435,22 @@ def test_the_capped_selection_is_its_torch_reference(limit, block, bonus):
     assert torch.equal(got.cpu(), expected)
 
 
-@pytest.mark.parametrize("chunk,swaps,stickiness,host", [(1, 0, 0.0, False), (4, 0, 0.0, False), (1, 3, 0.5, False),
-                                                        (1, 0, 1.0, False), (1, 0, 0.0, True)])
-def test_chunk_retrieve_with_two_bit_keys_is_each_part_alone(chunk, swaps, stickiness, host):
+@pytest.mark.parametrize("chunk,swaps,stickiness,host,packed", [
+    (1, 0, 0.0, False, True), (4, 0, 0.0, False, True), (1, 3, 0.5, False, True), (1, 0, 1.0, False, True),
+    (1, 0, 0.0, True, True), (1, 0, 0.0, False, False)])
+def test_chunk_retrieve_with_two_bit_keys_is_each_part_alone(chunk, swaps, stickiness, host, packed):
     """Parts ranked by 2-bit keys (different head, token and slot counts), in one pass: the slots,
     resident ids and byte counts of quant_key_topk + chunk_gather part by part. ``host``: the
     codes in host memory (pinned on CUDA), each head's ranking reading all of its codes a step,
-    counted in the part's bytes."""
+    counted in the part's bytes. ``packed``: code rows padded to whole lines as ``pack_keys``
+    lays them out (else contiguous: the table carries each part's row stride)."""
     d, G = 16, 3
     parts = [_retrieval_part(2, 48, chunk, 8, d, torch.float32, 0, True),
              _retrieval_part(1, 150, chunk, 12, d, torch.float32, 1, True),
              _retrieval_part(3, 20, chunk, 4, d, torch.float32, 2, True)]
+    assert all(p.landmarks.stride(1) % 128 == 0 for p in parts)
+    if not packed:
+        parts = [p._replace(landmarks=p.landmarks.contiguous()) for p in parts]
     if host:
         parts = [p._replace(landmarks=p.landmarks.cpu().pin_memory() if DEV.type == "cuda" else p.landmarks,
                             read=p.landmarks[0].numel()) for p in parts]

@@ -534,3 +534,18 @@ def test_kernels_compile_for_sm90_without_spills():
             stride_hkh=8188 * 1024, stride_hkc=1024, stride_hkt=128, stride_hvh=8188 * 1024,
             stride_hvc=1024, stride_hvt=128, stride_skt=128, stride_svt=128, stride_ah=512),
             dict(BLOCK_T=8, BLOCK_D=128, TABLE=table))
+
+
+@pytest.mark.parametrize("tokens", [1, 127, 128, 300])
+def test_code_rows_start_on_whole_lines(tokens):
+    """``pack_keys`` pads each code row to a multiple of 128 bytes (zeros after the tokens), so a
+    kernel's tile of a row in host memory is whole lines; the codes read as the unpadded ones."""
+    keys = torch.randn(3, tokens, 16, generator=torch.Generator().manual_seed(tokens))
+    codes, bounds = hk.pack_keys(keys)
+    assert codes.shape == (3, 4, tokens) and codes.stride() == (4 * hk.code_row(tokens), hk.code_row(tokens), 1)
+    assert hk.code_row(tokens) % 128 == 0 and hk.code_row(tokens) - tokens < 128
+    padded = codes.as_strided((3, 4, hk.code_row(tokens)), codes.stride())
+    assert not padded[:, :, tokens:].any()
+    q = torch.randn(3, 2, 16)
+    assert torch.equal(hk.quant_key_scores_torch(q, codes, bounds, 1),
+                       hk.quant_key_scores_torch(q, codes.contiguous(), bounds, 1))

@@ -129,6 +129,10 @@ def test_auto_keeps_the_keys_on_the_device_while_they_cost_at_most_half_the_budg
         marks = compressed.kv.dynamic.landmarks
         assert type(marks) is {"keys": QuantKeys, "host-keys": HostKeys}[expected]
         assert (marks.host_bytes() > 0) == (expected == "host-keys")  # the codes' bytes, in host memory
+        codes = marks.codes  # rows on whole 128-byte lines, the padding counted where the codes live
+        assert codes.stride(1) % 128 == 0 and codes.stride(1) >= codes.shape[2]
+        padded = codes.shape[0] * codes.shape[1] * codes.stride(1)
+        assert (marks.host_bytes() if expected == "host-keys" else marks.device_bytes() - marks.bounds.nbytes) == padded
 
 
 def test_with_the_keys_on_the_host_the_window_takes_at_most_a_quarter_of_a_head():

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv_cli.compression.detector import LowRankKeys
+from hybridkv_cli.compression.host_memory import host_empty
 from hybridkv_cli.compression.store import tensor_bytes, to_host
-from hybridkv_kernels import candidate_key_topk, chunk_topk, pack_keys, pack_keys_by_token, quant_key_topk
+from hybridkv_kernels import (aligned_rows, candidate_key_topk, chunk_topk, code_row, pack_keys, pack_keys_by_token,
+                              quant_key_topk)
 
 DETECTOR_RANK = 8
 CANDIDATES = 4  # label-ranked candidates per retrieved token (the oracle's factor, benchmarks/index_bounds.py)
@@ -65,6 +67,11 @@ def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> 
     bound = torch.bmm(q, (lo + hi).transpose(1, 2)) + torch.bmm(q.abs(), (hi - lo).transpose(1, 2))
     return bound.amax(dim=1) * 0.5
 
+
+
+def code_bytes(codes: torch.Tensor) -> int:
+    """Bytes of 2-bit codes [H, d/4, P] with their rows' padding (:func:`pack_keys` aligns them)."""
+    return codes.shape[0] * codes.shape[1] * codes.stride(1)
 
 
 def top_ids(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -176,7 +183,7 @@ class QuantKeys(Landmarks):
 
     @staticmethod
     def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
-        return heads * (num_chunks * chunk * dim // 4 + 2 * dim * 4)
+        return heads * (dim // 4 * code_row(num_chunks * chunk) + 2 * dim * 4)
 
     def top(self, query: torch.Tensor, n: int, resident: torch.Tensor | None = None, **churn) -> torch.Tensor:
         return quant_key_topk(query, self.codes, self.bounds, self.chunk, n, resident=resident, **churn)
@@ -187,7 +194,7 @@ class QuantKeys(Landmarks):
         return self.codes, self.bounds
 
     def device_bytes(self) -> int:
-        return tensor_bytes(self.codes, self.bounds)
+        return code_bytes(self.codes) + tensor_bytes(self.bounds)
 
 
 class HostKeys(QuantKeys):
@@ -199,20 +206,21 @@ class HostKeys(QuantKeys):
     @classmethod
     def build(cls, chunks: torch.Tensor) -> "HostKeys":
         keys = super().build(chunks)
-        return cls(to_host(keys.codes), keys.bounds, keys.chunk)
+        host = aligned_rows(keys.codes, lambda shape, dtype: host_empty(shape, dtype, torch.cuda.is_available()))
+        return cls(host, keys.bounds, keys.chunk)
 
     @staticmethod
     def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
         return heads * 2 * dim * 4
 
     def read_bytes(self, n: int) -> int:
-        return tensor_bytes(self.codes)
+        return tensor_bytes(self.codes)  # the kernel reads each row's tokens, not its padding
 
     def device_bytes(self) -> int:
         return tensor_bytes(self.bounds)
 
     def host_bytes(self) -> int:
-        return tensor_bytes(self.codes)
+        return code_bytes(self.codes)
 
 
 @dataclass
@@ -241,7 +249,7 @@ class LabelKeys(Landmarks):
     @staticmethod
     def bytes_for(heads: int, num_chunks: int, chunk: int, dim: int) -> int:
         labels = label_count(dim)
-        return heads * (num_chunks * chunk * labels // 4 + 2 * labels * 4 + 8 * labels + 2 * dim * 4)
+        return heads * (labels // 4 * code_row(num_chunks * chunk) + 2 * labels * 4 + 8 * labels + 2 * dim * 4)
 
     def top(self, query: torch.Tensor, n: int, resident=None, **churn) -> torch.Tensor:
         labelled = query.gather(2, self.channels[:, None].expand(-1, query.shape[1], -1))
@@ -253,7 +261,7 @@ class LabelKeys(Landmarks):
         return heads * min(tokens, CANDIDATES * n) * quarter
 
     def device_bytes(self) -> int:
-        return tensor_bytes(self.channels, self.codes, self.bounds, self.host_bounds)
+        return code_bytes(self.codes) + tensor_bytes(self.channels, self.bounds, self.host_bounds)
 
     def host_bytes(self) -> int:
         return tensor_bytes(self.host_codes)
