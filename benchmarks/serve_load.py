@@ -2,17 +2,19 @@
 
     python benchmarks/serve_load.py --clients 32 --videos 8 --batch 8 32 --out docs/serve_load.json
 
-For each server setting (``--max-batch`` of each ``--batch``, then the one-at-a-time baseline
-``--max-batch 1``) the
-script starts ``hybridkv serve --model demo`` on a free port (time to a healthy ``/health``), then
+For each server setting (``--max-batch`` of each ``--batch``, then ``--max-batch 1``, then the
+baseline: ``--max-batch 1`` with the clients taking turns, so the server holds one request at a
+time, its prefill included) the script starts ``hybridkv serve --model demo`` on a free port (time
+to a healthy ``/health``), then
 
 1. **first vs second question**: for each of M fresh videos, one streamed question (a prefix-cache
    miss: the video is decoded, encoded, prefilled and compressed) then another question about the
    same video (a hit), one request at a time; time to the first streamed token of each;
 2. **load**: N clients at once, each asking ``--requests`` questions in a row about its video
    (client i: video i mod M) through the official ``openai`` client; answers/s over the whole
-   wall clock, p50 / p99 latency, failures, and whether every setting gave the same answer to the
-   same question about the same video.
+   wall clock, p50 / p99 latency (a baseline client's wait for its turn included), failures, the
+   CPU seconds the server and the clients spent, and whether every setting gave the same answer
+   to the same question about the same video.
 
 The videos are the demo's synthetic clips (``training/synthetic.py``: 112x112, 64 frames by
 default, ``--frames`` for longer ones), written to a temporary folder and sent as ``data:`` URLs.
@@ -22,6 +24,7 @@ The load phase uses videos of its own, so its caches start cold.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import base64
 import json
 import os
@@ -31,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -96,6 +100,15 @@ def first_token(client, url: str, question: str) -> tuple[float, str]:
     return ttft if ttft is not None else time.perf_counter() - start, "".join(text)
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process ``pid`` so far (Linux ``/proc``; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def metric(text: str, name: str) -> int:
     return int(float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)))
 
@@ -105,8 +118,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_setting(max_batch: int, args, ttft_videos, load_videos) -> dict:
+def run_setting(max_batch: int, args, ttft_videos, load_videos, serial: bool = False) -> dict:
     proc, base, startup = start_server(max_batch, args.server_args)
+    turn = threading.Lock() if serial else contextlib.nullcontext()
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600,
                            http_client=httpx.Client(limits=httpx.Limits(max_connections=args.clients + 8)))
     try:
@@ -121,30 +135,34 @@ def run_setting(max_batch: int, args, ttft_videos, load_videos) -> dict:
             for r in range(args.requests):
                 question = questions[(i // len(load_videos) + r) % len(questions)]
                 start = time.perf_counter()
-                try:
-                    reply = client.chat.completions.create(model="demo", messages=messages(url, question))
-                    done.append((i % len(load_videos), question, reply.choices[0].message.content,
-                                 time.perf_counter() - start, None))
-                except openai.APIError as e:
-                    done.append((i % len(load_videos), question, None, time.perf_counter() - start, str(e)))
+                with turn:
+                    try:
+                        reply = client.chat.completions.create(model="demo", messages=messages(url, question))
+                        done.append((i % len(load_videos), question, reply.choices[0].message.content,
+                                     time.perf_counter() - start, None))
+                    except openai.APIError as e:
+                        done.append((i % len(load_videos), question, None, time.perf_counter() - start, str(e)))
             return done
 
-        start = time.perf_counter()
+        start, server_cpu, client_cpu = time.perf_counter(), cpu_seconds(proc.pid), time.process_time()
         with ThreadPoolExecutor(args.clients) as pool:
             results = [row for rows in pool.map(one_client, range(args.clients)) for row in rows]
         wall = time.perf_counter() - start
+        client_cpu = time.process_time() - client_cpu
+        server_cpu = cpu_seconds(proc.pid) - server_cpu if server_cpu is not None else None
         metrics = httpx.get(base + "/metrics").text
     finally:
         proc.terminate()
         proc.wait(30)
     latencies = [r[3] for r in results]
     return {
-        "max_batch": max_batch, "startup_s": startup,
+        "max_batch": max_batch, "serial": serial, "startup_s": startup,
         "ttft_first_s": statistics.median(first), "ttft_second_s": statistics.median(second),
         "ttft_ratio": statistics.median(first) / statistics.median(second),
         "answers": len(results), "failures": sum(r[4] is not None for r in results), "wall_s": wall,
         "answers_per_s": len(results) / wall, "latency_p50_s": percentile(latencies, 0.5),
         "latency_p99_s": percentile(latencies, 0.99),
+        "server_cpu_s": server_cpu, "client_cpu_s": client_cpu,
         "hits": metric(metrics, "hybridkv_prefix_cache_hits_total"),
         "misses": metric(metrics, "hybridkv_prefix_cache_misses_total"),
         "answers_by_question": {f"{v}|{q}": a for v, q, a, _, e in results if e is None},
@@ -166,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         ttft_videos = make_videos(Path(folder), args.videos, 1, args.frames)
         load_videos = make_videos(Path(folder), args.videos, 2, args.frames)
     rows = [run_setting(b, args, ttft_videos, load_videos) for b in (*args.batch, 1)]
+    rows.append(run_setting(1, args, ttft_videos, load_videos, serial=True))
     answers = [r.pop("answers_by_question") for r in rows]
     same = all(a == answers[-1] for a in answers)
     serial = rows[-1]
@@ -174,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"clients": args.clients, "videos": args.videos, "requests_per_client": args.requests,
                "frames": args.frames, "server_args": args.server_args, "settings": rows, "same_answers": same}
     for r in rows:
-        print(f"max-batch {r['max_batch']:>3}: startup {r['startup_s']:.1f} s | TTFT first {r['ttft_first_s'] * 1e3:.0f} "
+        print(f"max-batch {r['max_batch']:>3}{' serial' if r['serial'] else ''}: startup {r['startup_s']:.1f} s | TTFT first {r['ttft_first_s'] * 1e3:.0f} "
               f"ms, second {r['ttft_second_s'] * 1e3:.0f} ms ({r['ttft_ratio']:.1f}x) | {r['answers']} answers "
               f"in {r['wall_s']:.1f} s = {r['answers_per_s']:.1f}/s, p50 {r['latency_p50_s'] * 1e3:.0f} ms, p99 "
-              f"{r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed | cache {r['hits']} hits / {r['misses']} misses")
+              f"{r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed | cache {r['hits']} hits / {r['misses']} misses | CPU s: server "
+              f"{r['server_cpu_s'] or float('nan'):.2f}, clients {r['client_cpu_s']:.2f}")
     print("throughput vs one at a time: " + ", ".join(f"max-batch {r['max_batch']} "
                                                       f"{r['throughput_vs_one_at_a_time']:.1f}x" for r in rows[:-1])
           + f"; every setting gave the same answers: {same}")

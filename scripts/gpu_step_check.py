@@ -94,8 +94,8 @@ def run(model, tokenizer, policy, which: str) -> None:
         return
     decoder = Decoder(model, NEW)
     decoder.eos = set()
-    for i, p in enumerate(prompts):
-        decoder.join(decoder.start(prompt_job(model, p, policy, tag=i)))
+    for member in decoder.start([prompt_job(model, p, policy, tag=i) for i, p in enumerate(prompts)]):
+        decoder.join(member)
     for _ in range(NEW - 1):
         decoder.step()
 

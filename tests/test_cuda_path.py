@@ -83,7 +83,7 @@ def watched(kvs, fn):
 def wrap_update(cls):
     update = cls.update
     def run(self, key_states, value_states, *args, **kwargs):
-        kvs = [self.kv] if isinstance(self, cache_mod.PolicyLayer) else [m.layers[self.index].kv for m in self.batch.members]
+        kvs = [self.kv] if isinstance(self, cache_mod.PolicyLayer) else [m.layers[self.index].kv for m in self.owner.members]
         if any(kv is None for kv in kvs):
             return update(self, key_states, value_states, *args, **kwargs)
         return watched(kvs, lambda: update(self, key_states, value_states, *args, **kwargs))
@@ -135,8 +135,8 @@ for label, options in (("default", {}), ("no refresh", {"refresh": "none"}),
                      "layer_steps": len(steps), "max_launches_per_member": max(r["launches"] for r in steps)}
     decoder = Decoder(llama.model, NEW)
     decoder.eos = set()
-    for i, p in enumerate(prompts):
-        decoder.join(decoder.start(prompt_job(llama.model, p, policy, tag=i)))
+    for member in decoder.start([prompt_job(llama.model, p, policy, tag=i) for i, p in enumerate(prompts)]):
+        decoder.join(member)
     steps.clear()
     members, planned = list(decoder.members), []
     for _ in range(NEW - 1):
@@ -171,8 +171,8 @@ policy = make_policy("hybridkv", budget=0.2)
 decoder = Decoder(llama.model, NEW, cuda_graphs=True)
 decoder.replay.enabled = True
 decoder.eos = set()
-for i, p in enumerate(prompts):
-    decoder.join(decoder.start(prompt_job(llama.model, p, policy, tag=i)))
+for member in decoder.start([prompt_job(llama.model, p, policy, tag=i) for i, p in enumerate(prompts)]):
+    decoder.join(member)
 traces, device_step = [], decoder.replay.step
 def replay_step():
     watch = OpWatch(trace=True)

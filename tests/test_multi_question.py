@@ -13,7 +13,7 @@ import torch
 
 from hybridkv_cli import cli
 from hybridkv_cli.compression import METHODS, make_policy
-from hybridkv_cli.engine import Limits, generate
+from hybridkv_cli.engine import Job, Limits, decode, generate
 from hybridkv_cli.models.prompt import QuestionTemplate, build_prompt, build_text_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -82,6 +82,41 @@ def test_a_batch_ranks_host_keys_in_one_pass(demo, video, monkeypatch):
         passes.append(len(parts)), original(queries, parts, *a, **k))[1])
     assert_together_equals_alone(demo, video, make_policy("hybridkv", budget=0.05))
     assert max(passes) == 3
+
+
+def test_questions_that_start_together_read_their_suffixes_in_one_pass(demo, video, monkeypatch):
+    """Members admitted together read their questions in one forward pass, side by side, each
+    over its own copy of the prefix; the tokens stay those of one by one."""
+    from hybridkv_cli.engine.decoder import Decoder
+
+    reads = []
+    original = Decoder.read
+    monkeypatch.setattr(Decoder, "read", lambda self, caches, suffixes, ropes: (
+        reads.append([len(s) for s in suffixes]), original(self, caches, suffixes, ropes))[1])
+    assert_together_equals_alone(demo, video, make_policy("hybridkv", budget=0.1))
+    alone, together = reads[:4], reads[4:]
+    assert all(len(r) == 1 for r in alone)
+    assert len(together[0]) == 3 and len(set(together[0])) > 1  # three questions of different lengths at once
+    assert sorted(n for r in together for n in r) == sorted(r[0] for r in alone)
+
+
+def test_a_job_that_cannot_start_fails_alone_in_its_group(demo, video):
+    """A job whose prefix fails to build is its own error; the jobs starting beside it answer."""
+    tok = demo.processor.tokenizer
+    p = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
+    template = QuestionTemplate.of(tok, p, TEMPLATE_QUESTION)
+    prefix = compress_prefix(demo.model, p, make_policy("snapkv", budget=0.1), template)
+    suffixes = [template.suffix(tok, q) for q in QUESTIONS]
+    alone = answer_all(demo.model, prefix, suffixes, NEW)
+
+    def broken():
+        raise ValueError("no media")
+
+    jobs = [(0, lambda: Job(0, suffixes[0], prefix=prefix)), (1, lambda: Job(1, suffixes[1], prefill=broken, length=9)),
+            (2, lambda: Job(2, suffixes[2], prefix=prefix))]
+    outcomes = {o.job.tag: o for o in decode(lambda: demo.model, jobs, max_new_tokens=NEW, limits=Limits(batch_size=3))}
+    assert str(outcomes[1].error) == "no media"
+    assert [outcomes[i].generation.tokens for i in (0, 2)] == [alone[0].tokens, alone[2].tokens]
 
 
 def assert_together_equals_alone(demo, video, policy, same_bytes=False):

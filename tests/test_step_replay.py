@@ -62,8 +62,8 @@ for name, (method, options) in cases.items():
     single = [generate(demo.model, p, policy, max_new_tokens=NEW).tokens for p in prompts]
     decoder = Decoder(demo.model, NEW)
     decoder.eos = set()  # every member decodes NEW tokens: the members stay the same
-    for i, p in enumerate(prompts):
-        decoder.join(decoder.start(prompt_job(demo.model, p, policy, tag=i)))
+    for member in decoder.start([prompt_job(demo.model, p, policy, tag=i) for i, p in enumerate(prompts)]):
+        decoder.join(member)
     members = list(decoder.members)
     step, watches, planned = decoder.replay.step, [], []
     decoder.replay.step = lambda: (watches.append(watched(step)), planned.append(decoder.cache.planned))

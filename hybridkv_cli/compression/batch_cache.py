@@ -10,47 +10,29 @@ launch over all their segments.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
-from hybridkv_cli.compression.cache import AttendingCache, PolicyCache
+from hybridkv_cli.compression.cache import AttendingCache, MembersLayer, PolicyCache
 from hybridkv_cli.compression.refresh import Refresher
 from hybridkv_cli.compression.retrieval import DynamicHeads
 from hybridkv_kernels import batched_decode_attention, resolve_backend, retrieval_table, segment_table
 
 
-class BatchLayer(CacheLayerMixin):
+class BatchLayer(MembersLayer):
     """Layer ``index`` of a batch: the members' own layers, appended to and attended together."""
 
-    is_compileable = False
-    is_sliding = False
-
     def __init__(self, index: int, batch: "BatchCache"):
-        super().__init__()
-        self.index, self.batch = index, batch
+        super().__init__(index, batch)
         self.kv = BatchedKV(index, batch)
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.device = key_states.device
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Every member's new token (``[B, H_kv, 1, d]``) into its own store, at the row the
         batch's device counts give (so a replayed step writes where it should)."""
-        rows = self.batch.rows
-        for b, cache in enumerate(self.batch.members):
+        rows = self.owner.rows
+        for b, cache in enumerate(self.owner.members):
             store = cache.layers[self.index].kv.store
             store.gen_k.index_copy_(1, rows[b:b + 1], key_states[b])
             store.gen_v.index_copy_(1, rows[b:b + 1], value_states[b])
         return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return max((cache.layers[self.index].seen for cache in self.batch.members), default=0)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class BatchedKV:

@@ -66,6 +66,31 @@ class PolicyLayer(CacheLayerMixin):
         self.kv, self.seen = None, 0
 
 
+class MembersLayer(CacheLayerMixin):
+    """Layer ``index`` of a cache over other generations' caches (``owner.members``): it holds
+    no KV of its own; its length is the longest member's."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, index: int, owner):
+        super().__init__()
+        self.index, self.owner = index, owner
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+
+    def get_seq_length(self) -> int:
+        return max((cache.layers[self.index].seen for cache in self.owner.members), default=0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
 class AttendingCache(Cache):
     """A cache whose attention calls find it: :meth:`update` hands it to the attention call that
     follows (see the module docstring), which asks it for the layer's attention (:meth:`attention`)."""

@@ -1,7 +1,8 @@
 """Admission: which made jobs join the batch being decoded, and when.
 
 :func:`~hybridkv_cli.engine.jobs.decode` asks it before it makes a job (is there room for any
-other member?) and before it starts one (is there room for this one?); a server reads the same
+other member?) and before it starts one (is there room for this one, beside the members and the
+jobs starting with it?); a server reads the same
 state for its metrics (:attr:`Admission.waiting`). The rule is :class:`~hybridkv_cli.engine.jobs.Limits`':
 at most ``limits.most`` members, and under ``kv_memory`` a job joins while the members' device KV
 and its own stay within the cap -- its own measured when it last tried to join, else predicted
@@ -22,23 +23,26 @@ class Admission:
         self.waiting: deque = deque()  # (job, measured device bytes or None): made, not yet admitted
         self.per_token = 0.0  # most device bytes per prompt token of any member so far
 
-    def full(self, members) -> bool:
-        """No room for another member, whatever its size."""
+    def full(self, count: int) -> bool:
+        """No room for another member beside ``count``, whatever its size."""
         most = self.limits.most
-        return bool(members) and most is not None and len(members) >= most
+        return count > 0 and most is not None and count >= most
 
-    def fits(self, members, device_bytes: int) -> bool:
-        """Whether the first waiting job may start beside ``members`` (holding ``device_bytes``)."""
-        if not members:
-            return True
-        if self.full(members):
-            return False
-        cap = self.limits.kv_memory
-        if cap is None:
-            return True
+    def admit(self, count: int, device_bytes: float) -> tuple | None:
+        """The first waiting job and its device bytes (measured, else predicted), taken from the
+        line if it may start beside ``count`` members and jobs starting with them (holding
+        ``device_bytes``); else None. Under a cap, a job whose bytes nothing predicts yet (no
+        member so far) starts alone."""
+        if not self.waiting:
+            return None
         job, measured = self.waiting[0]
         need = measured if measured is not None else self.per_token * job.length
-        return device_bytes + need <= cap
+        cap = self.limits.kv_memory
+        if count and (self.full(count) or cap is not None and (
+                device_bytes + need > cap or measured is None and not self.per_token)):
+            return None
+        self.waiting.popleft()
+        return job, need
 
     def joined(self, member) -> None:
         """A member joined: its bytes per prompt token refine the prediction."""

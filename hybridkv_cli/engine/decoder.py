@@ -5,7 +5,8 @@ A member joins with a job (:class:`~hybridkv_cli.engine.jobs.Job`): the cache of
 read after compression, or nothing). When it starts, its suffix goes through its compressed
 cache in one forward pass (a chunk of ``len(suffix)`` queries, :meth:`LayerKV.attend`), whose
 last logits give its first token; so it joins the batch with that token, as a member with no
-suffix joins with the token of its prefix's logits. A batch step feeds every member's next
+suffix joins with the token of its prefix's logits. Members that start together read their
+suffixes in the same pass, side by side (:class:`~hybridkv_cli.compression.packed_cache.PackedCache`). A batch step feeds every member's next
 token through the model at once (``[B, 1]`` ids, each at its own position); each layer's
 attention reads all the members' stores in one launch
 (:class:`~hybridkv_cli.compression.batch_cache.BatchCache`). The tokens are the model's own
@@ -25,6 +26,7 @@ import torch
 
 from hybridkv_cli.compression.batch_cache import BatchCache
 from hybridkv_cli.compression.cache import PolicyCache, layer_count, policy_attention
+from hybridkv_cli.compression.packed_cache import PackedCache
 from hybridkv_cli.compression.store import GEN_BLOCK
 from hybridkv_cli.engine.measure import Generation, Meter, now
 from hybridkv_cli.engine.prefix import rope_owner
@@ -83,13 +85,40 @@ class Decoder:
     def finished(self, tokens: list[int], limit: int | None = None) -> bool:
         return len(tokens) >= (limit or self.max_new_tokens) or (bool(tokens) and tokens[-1] in self.eos)
 
-    def start(self, job) -> Member:
-        """``job``'s member (its prefix prefilled now if it has none yet) with its first token:
-        its suffix read through its cache in one pass (:meth:`read`), or its prefix's logits. It
-        joins the batch with :meth:`join` unless that token already finished it."""
+    def start(self, jobs: list) -> list:
+        """The members of ``jobs``, in order, each with its first token: its prefix prefilled now
+        if it has none yet, then every suffix read through its cache, all in one pass
+        (:meth:`read`), or (no suffix) its prefix's logits. A job that could not start has its
+        error in its place (a failed read: every job whose suffix it read). A member joins the
+        batch with :meth:`join` unless its first token already finished it."""
+        started = []
+        for job in jobs:
+            try:
+                started.append(self._take(job))
+            except Exception as e:
+                started.append(e)
+        reading = [m for m in started if isinstance(m, Member) and m.job.suffix]
+        if reading:
+            try:
+                logits = self.read([m.cache for m in reading], [list(m.job.suffix) for m in reading],
+                                   [m.job.prefix.rope_for_suffix() for m in reading])
+            except Exception as e:
+                return [e if isinstance(m, Member) and m.job.suffix else m for m in started]
+            for m, row in zip(reading, logits):
+                self._first(m, row[None])
+        for m in started:
+            if isinstance(m, Member) and not m.job.suffix:
+                self._first(m, m.job.prefix.logits.to(self.device))
+        return started
+
+    def _take(self, job) -> Member:
+        """``job``'s member before its first token: its prefix (prefilled now if it has none
+        yet) and the cache it decodes through."""
         if job.prefix is None:
             job.prefix = job.prefill()
         prefix, suffix = job.prefix, list(job.suffix)
+        if not suffix and prefix.logits is None:
+            raise RuntimeError("a prefix read from a file needs a question to decode")
         cache, meter = prefix.take(self.device)
         # the suffix's rows and every answer token's fed after it, or (as a store grows by itself) a first block
         cache.reserve(len(suffix) + (self.limit(job) - 1 if self.allocate_all else GEN_BLOCK))
@@ -98,27 +127,33 @@ class Decoder:
         processors = self.model._get_logits_processor(
             generation_config=self.config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
             device=self.device, model_kwargs={})
-        if suffix:
-            logits = self.read(cache, suffix, prefix.rope_for_suffix())
-        elif prefix.logits is None:
-            raise RuntimeError("a prefix read from a file needs a question to decode")
-        else:
-            logits = prefix.logits.to(self.device)
-        first = int((processors(ids, logits) if processors else logits).argmax(dim=-1))
-        meter.token()
-        ids = torch.cat([ids, ids.new_tensor([[first]])], dim=1) if processors else None
-        return Member(job, cache, meter, processors, ids, bytes=cache.device_bytes(), joined=self.steps, tokens=[first])
+        return Member(job, cache, meter, processors, ids, bytes=0, joined=self.steps)
 
-    def read(self, cache: PolicyCache, tokens: list[int], rope: torch.Tensor | None) -> torch.Tensor:
-        """``tokens`` through ``cache`` in one forward pass, each layer attending them as one
-        chunk over its compressed KV (their own rows appended, causally); the [1, V] fp32 logits
-        after the last."""
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        position = self._positions(cache.get_seq_length(), len(tokens), rope)  # [R, 1, n]
+    def _first(self, member: Member, logits: torch.Tensor) -> None:
+        """``member``'s first token, from the [1, V] fp32 ``logits`` after its prompt."""
+        if member.processors:
+            logits = member.processors(member.ids, logits)
+        first = int(logits.argmax(dim=-1))
+        member.meter.token()
+        member.ids = torch.cat([member.ids, member.ids.new_tensor([[first]])], dim=1) if member.processors else None
+        member.tokens.append(first)
+        member.bytes = member.cache.device_bytes()
+
+    def read(self, caches: list[PolicyCache], suffixes: list[list[int]], ropes: list) -> torch.Tensor:
+        """Each of ``suffixes`` through its cache of ``caches``, all in one forward pass
+        (:class:`~hybridkv_cli.compression.packed_cache.PackedCache`): each layer attends each
+        suffix as one chunk over its own compressed KV (its rows appended, causally), the
+        positions of each after its own prefix (``ropes``: their mRoPE offsets). The [n, V] fp32
+        logits after each suffix's last token."""
+        ids = torch.tensor([[token for suffix in suffixes for token in suffix]], dtype=torch.long, device=self.device)
+        position = torch.cat([self._positions(cache.get_seq_length(), len(suffix), rope)
+                              for cache, suffix, rope in zip(caches, suffixes, ropes)], dim=2)  # [R, 1, n]
+        packed = PackedCache(caches, [len(suffix) for suffix in suffixes])
         with torch.inference_mode(), policy_attention(self.model):
             out = self.model(input_ids=ids, position_ids=position if self.rows > 1 else position[0],
-                             cache_position=position[0, 0], cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float()
+                             cache_position=position[0, 0], cache=packed, use_cache=True,
+                             logits_to_keep=packed.last.to(self.device))
+        return out.logits[0].float()
 
     def _positions(self, seen: int, count: int, rope: torch.Tensor | None) -> torch.Tensor:
         """[R, 1, count] positions of ``count`` tokens fed after ``seen``: the text position,

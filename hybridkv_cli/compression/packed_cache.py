@@ -1,0 +1,47 @@
+"""Several generations' suffixes read in one forward pass: one ``Cache`` over their caches.
+
+Members that join a batch together read their suffixes (a question after a kept prefix) as one
+sequence, side by side: the projections, norms and MLPs of every layer run once over all their
+tokens, while each member's span of new keys and values goes to its own cache and its span of
+queries attends only that cache, as one chunk (:meth:`LayerKV.attend`, as in a read alone). So
+no member sees another's tokens, and each gets the logits it gets alone (tested token for token).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from hybridkv_cli.compression.cache import AttendingCache, MembersLayer, PolicyCache
+
+
+class PackedLayer(MembersLayer):
+    """Layer ``index`` of a packed read: each member's span of the new tokens into its own layer."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        for cache, (start, end) in zip(self.owner.members, self.owner.spans):
+            cache.layers[self.index].update(key_states[:, :, start:end], value_states[:, :, start:end])
+        return key_states, value_states
+
+
+class PackedCache(AttendingCache):
+    """The cache of one packed read: ``members``' compressed caches, ``lengths[i]`` new tokens
+    each, in that order along the sequence (see the module docstring)."""
+
+    def __init__(self, members: list[PolicyCache], lengths: list[int]):
+        self.members = members
+        ends = list(accumulate(lengths))
+        self.spans = list(zip([0, *ends[:-1]], ends))
+        super().__init__([PackedLayer(i, self) for i in range(len(members[0].layers))])
+
+    @property
+    def last(self) -> torch.Tensor:
+        """The index of each member's last token in the packed sequence (its logits give its first token)."""
+        return torch.tensor([end - 1 for _, end in self.spans], dtype=torch.long)
+
+    def attention(self, module, query, key, value, attention_mask, scaling, dropout, kwargs):
+        outs = [cache.attention(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                                None, scaling, dropout, kwargs)[0]
+                for cache, (start, end) in zip(self.members, self.spans)]
+        return torch.cat(outs, dim=1), None
