@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -100,8 +101,12 @@ def test_questions_that_start_together_read_their_suffixes_in_one_pass(demo, vid
     assert sorted(n for r in together for n in r) == sorted(r[0] for r in alone)
 
 
-def test_a_job_that_cannot_start_fails_alone_in_its_group(demo, video):
-    """A job whose prefix fails to build is its own error; the jobs starting beside it answer."""
+def test_a_job_that_cannot_start_fails_alone_in_its_group(demo, video, monkeypatch):
+    """Jobs start together: one whose cache cannot be taken is its own error and the others
+    answer as alone; a packed read that fails is the error of the jobs it read, and the jobs
+    after them go on."""
+    from hybridkv_cli.engine.decoder import Decoder
+
     tok = demo.processor.tokenizer
     p = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
     template = QuestionTemplate.of(tok, p, TEMPLATE_QUESTION)
@@ -109,14 +114,48 @@ def test_a_job_that_cannot_start_fails_alone_in_its_group(demo, video):
     suffixes = [template.suffix(tok, q) for q in QUESTIONS]
     alone = answer_all(demo.model, prefix, suffixes, NEW)
 
-    def broken():
-        raise ValueError("no media")
+    def broken(device):
+        raise ValueError("no copy")
 
-    jobs = [(0, lambda: Job(0, suffixes[0], prefix=prefix)), (1, lambda: Job(1, suffixes[1], prefill=broken, length=9)),
+    unusable = SimpleNamespace(take=broken, logits=None, seen=prefix.seen)
+    jobs = [(0, lambda: Job(0, suffixes[0], prefix=prefix)), (1, lambda: Job(1, suffixes[1], prefix=unusable)),
             (2, lambda: Job(2, suffixes[2], prefix=prefix))]
     outcomes = {o.job.tag: o for o in decode(lambda: demo.model, jobs, max_new_tokens=NEW, limits=Limits(batch_size=3))}
-    assert str(outcomes[1].error) == "no media"
+    assert str(outcomes[1].error) == "no copy"
     assert [outcomes[i].generation.tokens for i in (0, 2)] == [alone[0].tokens, alone[2].tokens]
+
+    original, reads = Decoder.read, []
+
+    def read(self, caches, suffixes, ropes):
+        reads.append(len(suffixes))
+        if len(reads) == 1:
+            raise RuntimeError("out of memory")
+        return original(self, caches, suffixes, ropes)
+
+    monkeypatch.setattr(Decoder, "read", read)
+    jobs = [(i, lambda i=i: Job(i, suffixes[i % 3], prefix=prefix)) for i in range(4)]
+    outcomes = {o.job.tag: o for o in decode(lambda: demo.model, jobs, max_new_tokens=NEW, limits=Limits(batch_size=2))}
+    assert reads[0] == 2 and [str(outcomes[i].error) for i in (0, 1)] == ["out of memory"] * 2
+    assert [outcomes[i].generation.tokens for i in (2, 3)] == [alone[2].tokens, alone[0].tokens]
+
+
+def test_jobs_that_prefill_their_own_media_start_one_at_a_time(demo, video, monkeypatch):
+    """A job whose prefix is still to be prefilled starts alone: the members before it do not
+    wait on its prefill for their first token. The answers are the deferred runs'."""
+    from hybridkv_cli.engine import prompt_job
+    from hybridkv_cli.engine.decoder import Decoder
+
+    reads, original = [], Decoder.read
+    monkeypatch.setattr(Decoder, "read", lambda self, caches, suffixes, ropes: (
+        reads.append(len(suffixes)), original(self, caches, suffixes, ropes))[1])
+    policy = make_policy("snapkv", **needed("snapkv"))
+    jobs = [(i, lambda i=i, q=q: prompt_job(demo.model, build_prompt(demo.processor, video, q), policy, True, tag=i))
+            for i, q in enumerate(QUESTIONS)]
+    outcomes = {o.job.tag: o for o in decode(lambda: demo.model, jobs, max_new_tokens=NEW, limits=Limits(batch_size=3))}
+    assert reads == [1, 1, 1]
+    expected = [deferred(demo, video, q, "snapkv") for q in QUESTIONS]
+    assert [outcomes[i].generation.tokens for i in range(3)] == expected
+    assert max(o.batch["size_max"] for o in outcomes.values()) > 1  # they still decode together
 
 
 def assert_together_equals_alone(demo, video, policy, same_bytes=False):

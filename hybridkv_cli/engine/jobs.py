@@ -7,7 +7,9 @@ job with the whole prompt as its prefix and an empty suffix; ``--defer-question`
 prefix at the end of the media; ``-Q`` and ``.hkv`` inputs are one shared prefix with a job per
 question; batching is more than one job at a time. Jobs decode together in one
 :class:`~hybridkv_cli.engine.decoder.Decoder` as :class:`Limits` allow, and each job's
-:class:`Outcome` is yielded as it finishes.
+:class:`Outcome` is yielded as it finishes. The jobs with a ready prefix that fit when there is
+room start together, their suffixes read in one pass (:meth:`Decoder.start`); a job still to be
+prefilled starts alone.
 
 Room (:class:`Limits`, applied by :class:`~hybridkv_cli.engine.admission.Admission`): at most
 ``batch_size`` members, and with ``kv_memory`` a device-KV cap.
@@ -152,7 +154,7 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
                                                                   m.replayed))
 
     while True:
-        while True:  # admit while there is room: the jobs that fit now start together
+        while True:  # admit while there is room: the jobs that fit now (their prefixes ready) start together
             group, planned = [], 0.0  # their jobs, their device bytes (measured or predicted)
             while True:
                 count = len(members()) + len(group)
@@ -173,11 +175,15 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
                         yield Outcome(Job(tag, []), error=e)
                         continue
                     waiting.append((job, None))
+                if group and waiting and waiting[0][0].prefix is None:
+                    break  # a job to prefill starts alone: the others' first tokens do not wait on its prefill
                 admitted = admission.admit(count, (decoder.device_bytes() if decoder else 0) + planned)
                 if admitted is None:
                     break
                 group.append(admitted[0])
                 planned += admitted[1]
+                if admitted[0].prefix is None:
+                    break
             if not group:
                 break
             try:
