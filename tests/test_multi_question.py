@@ -99,6 +99,10 @@ def test_questions_that_start_together_read_their_suffixes_in_one_pass(demo, vid
     assert all(len(r) == 1 for r in alone)
     assert len(together[0]) == 3 and len(set(together[0])) > 1  # three questions of different lengths at once
     assert sorted(n for r in together for n in r) == sorted(r[0] for r in alone)
+    reads.clear()  # a pass reads at most PACK_TOKENS: here the longest question alone
+    monkeypatch.setattr("hybridkv_cli.engine.jobs.PACK_TOKENS", max(r[0] for r in alone))
+    assert_together_equals_alone(demo, video, make_policy("hybridkv", budget=0.1))
+    assert all(sum(r) <= max(r[0] for r in alone) for r in reads) and len(reads) > 4 + 1
 
 
 def test_a_job_that_cannot_start_fails_alone_in_its_group(demo, video, monkeypatch):

@@ -8,8 +8,7 @@ prefix at the end of the media; ``-Q`` and ``.hkv`` inputs are one shared prefix
 question; batching is more than one job at a time. Jobs decode together in one
 :class:`~hybridkv_cli.engine.decoder.Decoder` as :class:`Limits` allow, and each job's
 :class:`Outcome` is yielded as it finishes. The jobs with a ready prefix that fit when there is
-room start together, their suffixes read in one pass (:meth:`Decoder.start`); a job still to be
-prefilled starts alone.
+room start together, their suffixes read in one pass (:meth:`Decoder.start`; :func:`packable`).
 
 Room (:class:`Limits`, applied by :class:`~hybridkv_cli.engine.admission.Admission`): at most
 ``batch_size`` members, and with ``kv_memory`` a device-KV cap.
@@ -118,6 +117,16 @@ def graph_warning(limits: Limits, steps: int, replayed: int) -> str | None:
     return f"--cuda-graphs replayed none of its {steps} steps ({why})"
 
 
+PACK_TOKENS = 2048  # most suffix tokens read in one pass: its activations grow with them
+
+
+def packable(job: Job, group: list[Job]) -> bool:
+    """Whether ``job`` may start with ``group`` (one pass reads their suffixes): its prefix is
+    ready (a job to prefill starts alone, so the others' first tokens do not wait on its
+    prefill) and the suffixes stay within :data:`PACK_TOKENS`."""
+    return job.prefix is not None and len(job.suffix) + sum(len(j.suffix) for j in group) <= PACK_TOKENS
+
+
 def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[], Job]] | None], *, max_new_tokens: int,
            limits: Limits = Limits(), on_step: Callable[[], None] | None = None,
            watch: Callable[[list], Iterable] | None = None, admission: Admission | None = None) -> Iterator[Outcome]:
@@ -175,8 +184,8 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
                         yield Outcome(Job(tag, []), error=e)
                         continue
                     waiting.append((job, None))
-                if group and waiting and waiting[0][0].prefix is None:
-                    break  # a job to prefill starts alone: the others' first tokens do not wait on its prefill
+                if group and waiting and not packable(waiting[0][0], group):
+                    break
                 admitted = admission.admit(count, (decoder.device_bytes() if decoder else 0) + planned)
                 if admitted is None:
                     break
