@@ -193,11 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"clients": args.clients, "videos": args.videos, "requests_per_client": args.requests,
                "frames": args.frames, "server_args": args.server_args, "settings": rows, "same_answers": same}
     for r in rows:
-        print(f"max-batch {r['max_batch']:>3}{' serial' if r['serial'] else ''}: startup {r['startup_s']:.1f} s | TTFT first {r['ttft_first_s'] * 1e3:.0f} "
-              f"ms, second {r['ttft_second_s'] * 1e3:.0f} ms ({r['ttft_ratio']:.1f}x) | {r['answers']} answers "
-              f"in {r['wall_s']:.1f} s = {r['answers_per_s']:.1f}/s, p50 {r['latency_p50_s'] * 1e3:.0f} ms, p99 "
-              f"{r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed | cache {r['hits']} hits / {r['misses']} misses | CPU s: server "
-              f"{r['server_cpu_s'] or float('nan'):.2f}, clients {r['client_cpu_s']:.2f}")
+        label = f"max-batch {r['max_batch']:>3}" + (" one at a time" if r["serial"] else "")
+        print(f"{label}: startup {r['startup_s']:.1f} s | TTFT first {r['ttft_first_s'] * 1e3:.0f} ms, second "
+              f"{r['ttft_second_s'] * 1e3:.0f} ms ({r['ttft_ratio']:.1f}x) | {r['answers']} answers in "
+              f"{r['wall_s']:.1f} s = {r['answers_per_s']:.1f}/s, p50 {r['latency_p50_s'] * 1e3:.0f} ms, p99 "
+              f"{r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed | cache {r['hits']} hits / "
+              f"{r['misses']} misses | CPU s: server {r['server_cpu_s'] or float('nan'):.2f}, clients "
+              f"{r['client_cpu_s']:.2f}")
     print("throughput vs one at a time: " + ", ".join(f"max-batch {r['max_batch']} "
                                                       f"{r['throughput_vs_one_at_a_time']:.1f}x" for r in rows[:-1])
           + f"; every setting gave the same answers: {same}")

@@ -6,8 +6,9 @@ read after compression, or nothing). When it starts, its suffix goes through its
 cache in one forward pass (a chunk of ``len(suffix)`` queries, :meth:`LayerKV.attend`), whose
 last logits give its first token; so it joins the batch with that token, as a member with no
 suffix joins with the token of its prefix's logits. Members that start together read their
-suffixes in the same pass, side by side (:class:`~hybridkv_cli.compression.packed_cache.PackedCache`). A batch step feeds every member's next
-token through the model at once (``[B, 1]`` ids, each at its own position); each layer's
+suffixes in the same pass, side by side
+(:class:`~hybridkv_cli.compression.packed_cache.PackedCache`). A batch step feeds every member's
+next token through the model at once (``[B, 1]`` ids, each at its own position); each layer's
 attention reads all the members' stores in one launch
 (:class:`~hybridkv_cli.compression.batch_cache.BatchCache`). The tokens are the model's own
 logits processors' and greedy choice. A member that finishes (the model's end of sequence, or

@@ -162,70 +162,75 @@ def decode(load_model: Callable[[], Any], jobs: Iterable[tuple[Any, Callable[[],
             yield Outcome(m.job, m.generation(), batch=batch_info(limits, m.joined, m.sizes, m.kv_peak or m.bytes,
                                                                   m.replayed))
 
+    def gather() -> Iterator[Outcome]:  # returns the jobs that start together now; yields the errors of making them
+        nonlocal exhausted
+        group, planned = [], 0.0  # their device bytes (measured or predicted)
+        while True:
+            count = len(members()) + len(group)
+            if not waiting and not exhausted:
+                if admission.full(count):  # a job is made only when it could join (its errors then come in order)
+                    return group
+                try:
+                    nxt = next(pending)
+                except StopIteration:
+                    exhausted = True
+                    continue
+                if nxt is None:  # a live source with nothing waiting now
+                    return group
+                tag, make = nxt
+                try:
+                    job = make()
+                except Exception as e:
+                    yield Outcome(Job(tag, []), error=e)
+                    continue
+                waiting.append((job, None))
+            if group and waiting and not packable(waiting[0][0], group):
+                return group
+            admitted = admission.admit(count, (decoder.device_bytes() if decoder else 0) + planned)
+            if admitted is None:
+                return group
+            group.append(admitted[0])
+            planned += admitted[1]
+            if admitted[0].prefix is None:
+                return group
+
+    def start(group: list[Job]) -> Iterator[Outcome]:  # returns whether the batch is as full as it gets
+        nonlocal decoder
+        try:
+            if decoder is None:
+                decoder = Decoder(load_model(), max_new_tokens, limits.cuda_graphs,
+                                  allocate_all=limits.kv_memory is not None)
+            started = decoder.start(group)
+        except Exception as e:
+            started = [e] * len(group)
+        full = False
+        for job, member in zip(group, started):
+            if isinstance(member, BaseException):
+                yield Outcome(job, error=member)
+            elif decoder.finished(member.tokens, decoder.limit(job)):  # done at its first token: it never joins
+                yield Outcome(job, member.generation(), batch=batch_info(limits, decoder.steps, [], member.bytes))
+            else:
+                decoder.join(member)
+                admission.joined(member)
+                if not admission.over(decoder.device_bytes()):
+                    yield from finished(watched())  # its first token is seen now, not after the next step
+                    continue
+                decoder.leave(member)
+                if not decoder.members:
+                    yield Outcome(job, error=OutOfMemoryError(
+                        f"its KV cache needs {human_bytes(member.bytes)} on the device, more than --kv-memory "
+                        f"{human_bytes(limits.kv_memory)}"))
+                else:  # measured now: wait for that much room, then prefill again
+                    if not job.prefix.shared:
+                        job.prefix = None
+                    admission.wait(job, member.bytes)
+                    full = True
+        return full
+
     while True:
-        while True:  # admit while there is room: the jobs that fit now (their prefixes ready) start together
-            group, planned = [], 0.0  # their jobs, their device bytes (measured or predicted)
-            while True:
-                count = len(members()) + len(group)
-                if not waiting and not exhausted:
-                    if admission.full(count):  # a job is made only when it could join (its errors then come in order)
-                        break
-                    try:
-                        nxt = next(pending)
-                    except StopIteration:
-                        exhausted = True
-                        continue
-                    if nxt is None:  # a live source with nothing waiting now
-                        break
-                    tag, make = nxt
-                    try:
-                        job = make()
-                    except Exception as e:
-                        yield Outcome(Job(tag, []), error=e)
-                        continue
-                    waiting.append((job, None))
-                if group and waiting and not packable(waiting[0][0], group):
-                    break
-                admitted = admission.admit(count, (decoder.device_bytes() if decoder else 0) + planned)
-                if admitted is None:
-                    break
-                group.append(admitted[0])
-                planned += admitted[1]
-                if admitted[0].prefix is None:
-                    break
-            if not group:
-                break
-            try:
-                if decoder is None:
-                    decoder = Decoder(load_model(), max_new_tokens, limits.cuda_graphs,
-                                      allocate_all=limits.kv_memory is not None)
-                started = decoder.start(group)
-            except Exception as e:
-                started = [e] * len(group)
-            over = False
-            for job, member in zip(group, started):
-                if isinstance(member, BaseException):
-                    yield Outcome(job, error=member)
-                elif decoder.finished(member.tokens, decoder.limit(job)):  # done at its first token: it never joins
-                    yield Outcome(job, member.generation(), batch=batch_info(limits, decoder.steps, [], member.bytes))
-                else:
-                    decoder.join(member)
-                    admission.joined(member)
-                    if not admission.over(decoder.device_bytes()):
-                        yield from finished(watched())  # its first token is seen now, not after the next step
-                        continue
-                    decoder.leave(member)
-                    if not decoder.members:
-                        yield Outcome(job, error=OutOfMemoryError(
-                            f"its KV cache needs {human_bytes(member.bytes)} on the device, more than --kv-memory "
-                            f"{human_bytes(limits.kv_memory)}"))
-                    else:  # measured now: wait for that much room, then prefill again
-                        if not job.prefix.shared:
-                            job.prefix = None
-                        admission.wait(job, member.bytes)
-                        over = True
-                    del member
-            if over:  # the batch is as full as it gets: decode a step
+        while True:  # admit while there is room: the jobs that fit now start together
+            group = yield from gather()
+            if not group or (yield from start(group)):
                 break
         if decoder is None or not decoder.members:
             if exhausted and not waiting:
