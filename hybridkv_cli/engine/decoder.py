@@ -101,15 +101,14 @@ class Decoder:
         reading = [m for m in started if isinstance(m, Member) and m.job.suffix]
         if reading:
             try:
-                logits = self.read([m.cache for m in reading], [list(m.job.suffix) for m in reading],
-                                   [m.job.prefix.rope_for_suffix() for m in reading])
+                rows = iter(self.read([m.cache for m in reading], [list(m.job.suffix) for m in reading],
+                                      [m.job.prefix.rope_for_suffix() for m in reading]))
             except Exception as e:
                 return [e if isinstance(m, Member) and m.job.suffix else m for m in started]
-            for m, row in zip(reading, logits):
-                self._first(m, row[None])
-        for m in started:
-            if isinstance(m, Member) and not m.job.suffix:
-                self._first(m, m.job.prefix.logits.to(self.device))
+        members = [m for m in started if isinstance(m, Member)]
+        if members:
+            self._first(members, [next(rows)[None] if m.job.suffix else m.job.prefix.logits.to(self.device)
+                                  for m in members])
         return started
 
     def _take(self, job) -> Member:
@@ -130,15 +129,15 @@ class Decoder:
             device=self.device, model_kwargs={})
         return Member(job, cache, meter, processors, ids, bytes=0, joined=self.steps)
 
-    def _first(self, member: Member, logits: torch.Tensor) -> None:
-        """``member``'s first token, from the [1, V] fp32 ``logits`` after its prompt."""
-        if member.processors:
-            logits = member.processors(member.ids, logits)
-        first = int(logits.argmax(dim=-1))
-        member.meter.token()
-        member.ids = torch.cat([member.ids, member.ids.new_tensor([[first]])], dim=1) if member.processors else None
-        member.tokens.append(first)
-        member.bytes = member.cache.device_bytes()
+    def _first(self, members: list[Member], logits: list[torch.Tensor]) -> None:
+        """Each member's first token, from its [1, V] fp32 ``logits`` after its prompt (the
+        tokens read on the host once for them all)."""
+        chosen = torch.cat([m.processors(m.ids, row) if m.processors else row for m, row in zip(members, logits)])
+        for m, first in zip(members, chosen.argmax(dim=-1).tolist()):
+            m.meter.token()
+            m.ids = torch.cat([m.ids, m.ids.new_tensor([[first]])], dim=1) if m.processors else None
+            m.tokens.append(first)
+            m.bytes = m.cache.device_bytes()
 
     def read(self, caches: list[PolicyCache], suffixes: list[list[int]], ropes: list) -> torch.Tensor:
         """Each of ``suffixes`` through its cache of ``caches``, all in one forward pass
