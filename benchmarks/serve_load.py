@@ -13,8 +13,9 @@ to a healthy ``/health``), then
 2. **load**: N clients at once, each asking ``--requests`` questions in a row about its video
    (client i: video i mod M) through the official ``openai`` client; answers/s over the whole
    wall clock, p50 / p99 latency (a baseline client's wait for its turn included), failures, the
-   CPU seconds the server and the clients spent, and whether every setting gave the same answer
-   to the same question about the same video.
+   CPU seconds the server and the clients spent, the most device KV of the decoding answers at once
+   (the server's metric; under ``--server-args --kv-memory SIZE`` never above it), and whether
+   every setting gave the same answer to the same question about the same video.
 
 The videos are the demo's synthetic clips (``training/synthetic.py``: 112x112, 64 frames by
 default, ``--frames`` for longer ones), written to a temporary folder and sent as ``data:`` URLs.
@@ -164,6 +165,7 @@ def run_setting(max_batch: int, args, ttft_videos, load_videos, serial: bool = F
         "latency_p99_s": percentile(latencies, 0.99),
         "server_cpu_s": server_cpu, "client_cpu_s": client_cpu,
         "hits": metric(metrics, "hybridkv_prefix_cache_hits_total"),
+        "kv_device_bytes_peak": metric(metrics, "hybridkv_decoding_kv_device_bytes_peak"),
         "misses": metric(metrics, "hybridkv_prefix_cache_misses_total"),
         "answers_by_question": {f"{v}|{q}": a for v, q, a, _, e in results if e is None},
     }
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['wall_s']:.1f} s = {r['answers_per_s']:.1f}/s, p50 {r['latency_p50_s'] * 1e3:.0f} ms, p99 "
               f"{r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed | cache {r['hits']} hits / "
               f"{r['misses']} misses | CPU s: server {r['server_cpu_s'] or float('nan'):.2f}, clients "
-              f"{r['client_cpu_s']:.2f}")
+              f"{r['client_cpu_s']:.2f} | decoding KV peak {r['kv_device_bytes_peak'] / 2**20:.2f} MiB")
     print("throughput vs one at a time: " + ", ".join(f"max-batch {r['max_batch']} "
                                                       f"{r['throughput_vs_one_at_a_time']:.1f}x" for r in rows[:-1])
           + f"; every setting gave the same answers: {same}")

@@ -64,8 +64,9 @@ def media_dir(tmp_path_factory):
 
 
 @contextmanager
-def serving(session, settings):
-    """``settings``' server around ``session`` on a free port, uvicorn in a thread; yields its URL."""
+def serving(session, settings, kv_memory: int | None = None):
+    """``settings``' server around ``session`` on a free port, uvicorn in a thread (``kv_memory``:
+    its ``--kv-memory`` in bytes); yields its URL."""
     import uvicorn
 
     from hybridkv_cli.engine import Limits
@@ -74,7 +75,8 @@ def serving(session, settings):
     from hybridkv_cli.serve.worker import Worker
 
     metrics = Metrics()
-    app = create_app(Worker(session, settings, Limits(batch_size=settings.max_batch), metrics), settings, metrics)
+    limits = Limits(batch_size=settings.max_batch, kv_memory=kv_memory)
+    app = create_app(Worker(session, settings, limits, metrics), settings, metrics)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -227,6 +229,37 @@ def test_concurrent_clients_get_the_cli_answers_decoded_together(server, client)
         results = list(pool.map(ask, asks))
     assert [text for text, _ in results] == [expected[(p.name, q)] for p, q in asks]
     assert max(info["batch"]["size_max"] for _, info in results) > 1  # decoded together, not one at a time
+
+
+def test_under_kv_memory_the_decoding_kv_never_exceeds_it(server, client):
+    """--kv-memory: concurrent requests decode together as their measured device KV allows, and
+    the decoding answers' device KV is never above the cap (each answer's batch peak and the
+    metrics' peak); the answers are the CLI's."""
+    from hybridkv_cli.runs.session import AskOptions, Session
+    from hybridkv_cli.serve.settings import ServeSettings
+
+    base, expected = server
+    url = data_url(NEEDLE)
+    lone = client.chat.completions.create(model="demo", messages=video_message(url, QUESTIONS[0]))
+    cap = 3 * lone.model_extra["hybridkv"]["batch"]["kv_device_bytes_peak"]  # room for two or so at once
+    session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
+    settings = ServeSettings(model_id="demo", api_key=KEY, max_body_bytes=2**20, max_messages=64, max_batch=8,
+                             queue_size=64)
+    with serving(session, settings, kv_memory=cap) as capped:
+        capped_client = openai.OpenAI(base_url=capped + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        asks = QUESTIONS[:4] * 2
+
+        def ask(question):
+            r = capped_client.chat.completions.create(model="demo", messages=video_message(url, question))
+            return r.choices[0].message.content, r.model_extra["hybridkv"]["batch"]
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(ask, asks))
+        peak = metric(capped, "hybridkv_decoding_kv_device_bytes_peak")
+    assert [text for text, _ in results] == [expected[(NEEDLE.name, q)] for q in asks]
+    assert all(batch["kv_memory"] == cap and 0 < batch["kv_device_bytes_peak"] <= cap for _, batch in results)
+    assert max(batch["size_max"] for _, batch in results) > 1  # the cap admits more than one at a time
+    assert 0 < peak <= cap
 
 
 def test_concurrent_requests_for_new_media_prefill_it_once_beside_the_decoding(server, client, tmp_path):

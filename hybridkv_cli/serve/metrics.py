@@ -19,6 +19,7 @@ class Metrics:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.kv_device_bytes = 0  # the decoding members' device KV (the worker's last step)
+        self.kv_device_peak = 0  # the most of it at any step so far (under --kv-memory: never above it)
         self.members = 0
         self.cancelled = 0  # requests dropped because their client went away
         self._recent: deque = deque()  # (finished at, tokens)
@@ -41,6 +42,7 @@ class Metrics:
     def decoding(self, members: int, device_bytes: int) -> None:
         with self._lock:
             self.members, self.kv_device_bytes = members, device_bytes
+            self.kv_device_peak = max(self.kv_device_peak, device_bytes)
 
     def tokens_per_s(self) -> float:
         now = time.monotonic()
@@ -73,6 +75,8 @@ class Metrics:
                      [("", cache.bytes)]),
                     ("hybridkv_kv_device_bytes", "gauge", "device KV bytes in use: kept prefixes + decoding answers",
                      [("", cache.device_bytes + self.kv_device_bytes)]),
+                    ("hybridkv_decoding_kv_device_bytes_peak", "gauge", "most device KV bytes of the decoding "
+                     "answers at once so far (under --kv-memory, at most that)", [("", self.kv_device_peak)]),
                     ("hybridkv_decoding_requests", "gauge", "requests decoding now", [("", self.members)]),
                     ("hybridkv_queue_length", "gauge", "requests waiting for the worker", [("", queued)])]
         lines = []

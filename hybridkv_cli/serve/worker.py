@@ -314,7 +314,8 @@ class Worker:
         info = {k: record[k] for k in ("method", "budget", "prefill_s", "decode", "kv")}
         info["input"] = {k: v for k, v in record["input"].items() if k != "files"}
         batch = record.get("batch")  # how it was decoded: joined at which step, beside how many others
-        info["batch"] = {k: batch[k] for k in ("joined_step", "size_max", "size_mean")} if batch else None
+        info["batch"] = {k: batch[k] for k in ("joined_step", "size_max", "size_mean", "kv_device_bytes_peak",
+                                                "kv_memory")} if batch else None
         info["prefix_cache_hit"] = ticket.cache_hit
         info["prefix_prefill_s"] = None if ticket.cache_hit else prefix.prefill_s
         ticket.send("done", {"text": ticket.text.sent, "delta": delta, "finish_reason": reason,
