@@ -94,12 +94,11 @@ wrap_update(batch_mod.BatchLayer)
 attend = cache_mod.attend
 def attend_watched(module, *args, **kwargs):
     cache = kwargs.get(cache_mod.CACHE_KWARG)
-    if cache is None or cache.layers[module.layer_idx].kv is None:
+    if not steps_enabled or cache is None or not isinstance(cache, (cache_mod.PolicyCache, batch_mod.BatchCache)) \
+            or cache.layers[module.layer_idx].kv is None:  # (a packed question read is counted whole, below)
         return attend(module, *args, **kwargs)
     kvs = [cache.layers[module.layer_idx].kv] if isinstance(cache, cache_mod.PolicyCache) else \
         [m.layers[module.layer_idx].kv for m in cache.members]
-    if not steps_enabled:
-        return attend(module, *args, **kwargs)
     before = refreshes(kvs)
     out = watched(kvs, lambda: attend(module, *args, **kwargs))
     ops = current.pop("ops")
@@ -148,6 +147,26 @@ for label, options in (("default", {}), ("no refresh", {"refresh": "none"}),
                     "max_launches_per_member": max(r["launches"] / r["members"] for r in steps)}
     result[label] = {"single": single, "batch": batch, "tokens": generation.tokens,
                      "batch_tokens": [m.tokens for m in members]}
+
+# The question pass on CUDA's path: two members' questions read after their kept prefixes, one at
+# a time and packed in one pass, counted whole (the prefix copy, the pass, the first tokens)
+from hybridkv_cli.engine import Job, prefill
+steps_enabled = False
+policy = make_policy("hybridkv", budget=0.2)
+prefixes = [prefill(llama.model, p, policy, p.question_start, shared=True) for p in prompts]
+def jobs(which):
+    return [Job(i, prompts[i].inputs["input_ids"][0, prompts[i].question_start:].tolist(), prefix=prefixes[i])
+            for i in which]
+def started(group):
+    watch = OpWatch()
+    with watch, watch_kernels(watch):
+        members = Decoder(llama.model, NEW).start(group)
+    return watch.launches(), sum(watch.syncs().values()), [m.tokens for m in members]
+alone = [started(jobs([i])) for i in range(2)]
+packed = started(jobs([0, 1]))
+result["read"] = {"alone_launches": sum(a[0] for a in alone), "alone_syncs": sum(a[1] for a in alone),
+                  "packed_launches": packed[0], "packed_syncs": packed[1],
+                  "same_tokens": packed[2] == [a[2][0] for a in alone]}
 
 # CUDA graphs with the default configuration: StepReplay's own bookkeeping, its graph calls stood
 # in for (capture runs the step as CUDA's warm-up would; a replay reruns it), and the traces of
@@ -244,6 +263,16 @@ def test_the_batch_is_planned_and_gives_the_single_runs_tokens(counts):
     for label in ("default", "no refresh", "host keys"):
         assert counts[label]["batch"]["all"]["planned"] is True
         assert counts[label]["batch_tokens"][0] == counts[label]["tokens"]
+
+
+def test_a_packed_question_read_takes_fewer_launches_and_no_more_syncs(counts):
+    """Two questions read after their prefixes in one pass, on CUDA's path: the first tokens of
+    one at a time, fewer launches (the model's layers run once for both) and no more host syncs
+    (their first tokens are read on the host together)."""
+    read = counts["read"]
+    assert read["same_tokens"], read
+    assert read["packed_launches"] < read["alone_launches"], read
+    assert read["packed_syncs"] <= read["alone_syncs"], read
 
 
 def test_cuda_graphs_replay_the_default_configuration(counts):
