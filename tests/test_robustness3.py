@@ -9,6 +9,7 @@ paying the imports once; the rest runs in process.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -472,6 +473,7 @@ def test_a_stop_keeps_every_answered_question(procs, name, code):
     assert "Traceback" not in err and "--resume" in err
 
 
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason='needs Ray: pip install -e ".[ray]"')
 def test_ray_join_fails_in_bounded_time_with_one_line(procs):
     returncode, err, seconds, _ = procs["ray"]
     assert returncode == 1
