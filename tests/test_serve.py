@@ -290,6 +290,48 @@ def test_concurrent_requests_for_new_media_prefill_it_once_beside_the_decoding(s
     assert [r.choices[0].message.content for r in replies] == [answers[i % 3] for i in range(6)]
 
 
+def test_prefixes_outlive_the_server_in_the_prefix_cache_dir(server, tmp_path):
+    """--prefix-cache-dir: the prefix one server made is written when it stops and read from its
+    .hkv file by the next (no prefill; the CLI's answer); a file that fails its checks is removed
+    and made again; the folder keeps within its bytes."""
+    from hybridkv_cli.engine.hkv import intact
+    from hybridkv_cli.runs.session import AskOptions, Session
+    from hybridkv_cli.serve.settings import ServeSettings
+
+    _, expected = server
+    folder = tmp_path / "prefixes"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("not a prefix")  # other files are left alone
+    session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
+    url = data_url(NEEDLE)
+
+    def run(question, **limits):  # one server's life: (answer, its hybridkv info, its metrics)
+        settings = ServeSettings(model_id="demo", prefix_cache_dir=str(folder), **limits)
+        with serving(session, settings) as base:
+            reply = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60) \
+                .chat.completions.create(model="demo", messages=video_message(url, question))
+            counts = {name: metric(base, f"hybridkv_prefix_cache_{name}", None)
+                      for name in ("misses_total", "disk_hits_total", "disk_refused_total")}
+        assert reply.choices[0].message.content == expected[(NEEDLE.name, question)]
+        return reply.model_extra["hybridkv"], reply.usage, counts
+
+    info, _, counts = run(QUESTIONS[0])
+    assert info["prefix_cache_hit"] is False and counts["misses_total"] == 1
+    [kept] = folder.glob("*.hkv")  # written by the time the server stopped
+    info, usage, counts = run(QUESTIONS[1])  # a new server: its memory is empty, the file is read
+    assert info["prefix_cache_hit"] is True and info["prefix_cache_tier"] == "disk"
+    assert counts == {"misses_total": 0, "disk_hits_total": 1, "disk_refused_total": 0}
+    assert usage.prompt_tokens_details.cached_tokens > info["input"]["visual_tokens"]
+    size = kept.stat().st_size
+    kept.write_bytes(kept.read_bytes()[: size // 2])  # cut short: refused, removed, made and written again
+    info, _, counts = run(QUESTIONS[2])
+    assert info["prefix_cache_hit"] is False and counts == {"misses_total": 1, "disk_hits_total": 0,
+                                                            "disk_refused_total": 1}
+    assert intact(kept)
+    run(QUESTIONS[0], prefix_cache_dir_bytes=size // 2)  # a cap below one prefix: the folder keeps none
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
 # --- refusals: each one JSON error, and the server answers after it -----------------------------------
 def _post(base, body=None, *, key=KEY, raw: bytes | None = None, path="/v1/chat/completions"):
     headers = {"Content-Type": "application/json"}
@@ -487,6 +529,10 @@ def test_the_command_starts_fast_and_answers(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo",
                           "--allowed-media-dir", str(tmp_path / "missing")], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "--allowed-media-dir" in bad.stderr and "Traceback" not in bad.stderr
+    (tmp_path / "file").write_text("")
+    bad = subprocess.run([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo",
+                          "--prefix-cache-dir", str(tmp_path / "file")], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "--prefix-cache-dir" in bad.stderr and "Traceback" not in bad.stderr
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo", "--port",
                              str(port), "--quiet"], stderr=subprocess.PIPE, text=True, env=env)

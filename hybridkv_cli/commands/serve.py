@@ -46,6 +46,11 @@ def serve(
                                           "KEY' (also from $HYBRIDKV_API_KEY)."),
     prefix_cache_bytes: str = typer.Option("1GiB", metavar="SIZE", help="Compressed prefixes kept (device + host "
                                            "bytes), least recently used evicted first."),
+    prefix_cache_dir: Optional[str] = typer.Option(None, metavar="DIR", help="Also write every compressed prefix "
+                                                   "to DIR as a .hkv file, read back after an eviction or a restart "
+                                                   "(created if missing) [default: memory only]."),
+    prefix_cache_dir_bytes: str = typer.Option("16GiB", metavar="SIZE", help="Bytes of the files kept in "
+                                               "--prefix-cache-dir, least recently used removed first."),
     max_body_bytes: str = typer.Option("64MiB", metavar="SIZE", help="Largest request body (413 beyond)."),
     max_media_bytes: str = typer.Option("256MiB", metavar="SIZE", help="Media bytes of one request, decoded."),
     max_messages: int = typer.Option(64, min=1, help="Messages of one request."),
@@ -60,6 +65,15 @@ def serve(
 
     if allowed_media_dir is not None and not os.path.isdir(allowed_media_dir):
         raise UsageError("not a directory", "--allowed-media-dir")
+    if prefix_cache_dir is not None:
+        if os.path.lexists(prefix_cache_dir) and not os.path.isdir(prefix_cache_dir):
+            raise UsageError("not a directory", "--prefix-cache-dir")
+        try:
+            os.makedirs(prefix_cache_dir, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot make the folder ({e.strerror})", "--prefix-cache-dir") from None
+        if not os.access(prefix_cache_dir, os.R_OK | os.W_OK | os.X_OK):
+            raise UsageError("not a folder this process can read and write", "--prefix-cache-dir")
     if api_key is not None and not api_key.strip():
         raise UsageError("the key is empty", "--api-key")
     settings = ServeSettings(
@@ -67,7 +81,8 @@ def serve(
         max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
         max_media_bytes=parse_size(max_media_bytes, "--max-media-bytes"), max_messages=max_messages,
         max_batch=max_batch, queue_size=queue_size,
-        prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes"))
+        prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes"), prefix_cache_dir=prefix_cache_dir,
+        prefix_cache_dir_bytes=parse_size(prefix_cache_dir_bytes, "--prefix-cache-dir-bytes"))
     limits = Limits(batch_size=max_batch, kv_memory=None if kv_memory is None else parse_size(kv_memory,
                                                                                               "--kv-memory"))
     try:

@@ -84,7 +84,7 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
     @app.get("/metrics")
     async def prometheus(request: Request):
         authorize(request)
-        return PlainTextResponse(metrics.render(worker.cache, worker.waiting),
+        return PlainTextResponse(metrics.render(worker.cache, worker.store, worker.waiting),
                                  media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict:

@@ -51,8 +51,9 @@ class Metrics:
                 self._recent.popleft()
             return sum(t for _, t in self._recent) / RATE_WINDOW_S
 
-    def render(self, cache, queued: int) -> str:
-        """Every metric as Prometheus text; ``cache``: the prefix cache, ``queued``: requests waiting."""
+    def render(self, cache, store, queued: int) -> str:
+        """Every metric as Prometheus text; ``cache``: the prefix cache, ``store``: its folder (or
+        None), ``queued``: requests waiting."""
         rate = self.tokens_per_s()
         with self._lock:
             rows = [("hybridkv_requests_total", "counter", "chat completion requests by HTTP status",
@@ -73,6 +74,19 @@ class Metrics:
                     ("hybridkv_prefix_cache_entries", "gauge", "compressed prefixes kept", [("", len(cache))]),
                     ("hybridkv_prefix_cache_bytes", "gauge", "device + host bytes of the kept prefixes",
                      [("", cache.bytes)]),
+                    *([] if store is None else [
+                        ("hybridkv_prefix_cache_disk_hits_total", "counter", "requests whose prefix was read from "
+                         "--prefix-cache-dir", [("", store.reads)]),
+                        ("hybridkv_prefix_cache_disk_writes_total", "counter", "prefixes written to --prefix-cache-dir",
+                         [("", store.writes)]),
+                        ("hybridkv_prefix_cache_disk_refused_total", "counter", "files in --prefix-cache-dir that "
+                         "failed a check (removed)", [("", store.refused)]),
+                        ("hybridkv_prefix_cache_disk_evictions_total", "counter", "files removed for room",
+                         [("", store.evictions)]),
+                        ("hybridkv_prefix_cache_disk_entries", "gauge", "prefixes in --prefix-cache-dir",
+                         [("", len(store))]),
+                        ("hybridkv_prefix_cache_disk_bytes", "gauge", "bytes of the files in --prefix-cache-dir",
+                         [("", store.bytes)])]),
                     ("hybridkv_kv_device_bytes", "gauge", "device KV bytes in use: kept prefixes + decoding answers",
                      [("", cache.device_bytes + self.kv_device_bytes)]),
                     ("hybridkv_decoding_kv_device_bytes_peak", "gauge", "most device KV bytes of the decoding "

@@ -44,6 +44,7 @@ from hybridkv_cli.serve.errors import ApiError, bad_request, from_error
 from hybridkv_cli.serve.media_refs import MediaRef
 from hybridkv_cli.serve.metrics import Metrics
 from hybridkv_cli.serve.prefix_cache import PrefixCache, prefix_key
+from hybridkv_cli.serve.prefix_store import PrefixStore
 from hybridkv_cli.serve.schema import Chat
 from hybridkv_cli.serve.settings import ServeSettings
 
@@ -63,6 +64,7 @@ class Ticket:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # the client went away: dropped at the next step
     cache_hit: bool | None = None
+    from_disk: bool = False  # its prefix was read from --prefix-cache-dir
     prefix: object = None  # its compressed prefix, once the prefill thread made it (or found it made)
     failure: BaseException | None = None  # why its prefix could not be made
     text: AnswerText | None = None
@@ -80,6 +82,8 @@ class Worker:
     def __init__(self, session: Session, settings: ServeSettings, limits: Limits, metrics: Metrics):
         self.session, self.settings, self.limits, self.metrics = session, settings, limits, metrics
         self.cache = PrefixCache(settings.prefix_cache_bytes)
+        self.store = None if settings.prefix_cache_dir is None else PrefixStore(
+            settings.prefix_cache_dir, settings.prefix_cache_dir_bytes, session.model())
         self.queue: queue.Queue = queue.Queue()  # requests for the decode loop (bounded by submit)
         self.misses: queue.Queue = queue.Queue()  # requests whose prefix the prefill thread makes
         self.admission = Admission(limits)  # the engine's: who waits, made, for room in the batch
@@ -144,11 +148,15 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
         self._prefiller.start()
+        if self.store is not None:
+            self.store.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
         self._prefiller.join(timeout)
         self._thread.join(timeout)
+        if self.store is not None:  # the prefixes made last are written before the process ends
+            self.store.stop(timeout)
 
     # --- the worker thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -226,16 +234,24 @@ class Worker:
                     self.metrics.cancel()
                     continue
                 ticket.prefix = self.cache.get(ticket.key, count=False)
-                ticket.cache_hit = ticket.prefix is not None
+                if ticket.prefix is None and self.store is not None:
+                    ticket.prefix = self.store.load(ticket.key, ticket.policy)
+                    ticket.from_disk = ticket.prefix is not None
+                    if ticket.from_disk:
+                        self.cache.put(ticket.key, ticket.prefix)
+                ticket.cache_hit, made = ticket.prefix is not None, False
                 self.cache.count(hit=ticket.cache_hit)
                 if ticket.prefix is None:
                     try:
                         ticket.prefix = self._compress(ticket)
                         self.cache.put(ticket.key, ticket.prefix)
+                        made = True
                     except Exception as e:  # its answer is this error (see _job)
                         ticket.failure = e
                 ticket.refs = []  # decoded: the bytes can go
                 self.queue.put(ticket)
+                if made and self.store is not None:  # written beside the decoding, not before the answer
+                    self.store.keep(ticket.key, ticket.prefix)
 
     def _job(self, ticket: Ticket) -> Job:
         chat = ticket.chat
@@ -317,6 +333,7 @@ class Worker:
         info["batch"] = {k: batch[k] for k in ("joined_step", "size_max", "size_mean", "kv_device_bytes_peak",
                                                 "kv_memory")} if batch else None
         info["prefix_cache_hit"] = ticket.cache_hit
+        info["prefix_cache_tier"] = ("disk" if ticket.from_disk else "memory") if ticket.cache_hit else None
         info["prefix_prefill_s"] = None if ticket.cache_hit else prefix.prefill_s
         ticket.send("done", {"text": ticket.text.sent, "delta": delta, "finish_reason": reason,
                              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(run.tokens),
