@@ -409,6 +409,15 @@ def test_large_jpeg_decoded_with_draft(tmp_path, monkeypatch):
         load_media([png], max_pixels=50_000)  # PNG has no reduced decode
 
 
+def test_a_video_of_huge_frames_is_refused_before_it_is_decoded(monkeypatch):
+    """A small file of huge frames (a video bomb) is refused from its header, as a huge image is."""
+    needle = REPO / "sample_media" / "needle.mp4"
+    monkeypatch.setattr(media.images, "MAX_SOURCE_PIXELS", 100 * 100)  # the clip's frames are 112x112
+    with pytest.raises(MediaError) as e:
+        load_media([needle], frames=8)
+    assert "video too large: 112x112" in _assert_one_line_error(e, str(needle))
+
+
 # --- errors -------------------------------------------------------------------------------------
 def _assert_one_line_error(exc_info, shown: str, cls=MediaError):
     err = exc_info.value
