@@ -113,7 +113,7 @@ def server(media_dir):
     expected["images"] = answer_all(Item(tuple(map(str, IMAGES))), [IMAGE_QUESTION])[0]["answer"]
     expected["text"] = answer_all(Item(()), [TEXT_QUESTION], context=TEXT)[0]["answer"]
     settings = ServeSettings(model_id="demo", allowed_media_dir=str(media_dir), api_key=KEY,
-                             max_body_bytes=2**20, max_messages=64, max_batch=8, queue_size=64)
+                             max_body_bytes=2**20, max_messages=64, max_batch=8, queue_size=64, body_timeout_s=2.0)
     with serving(session, settings) as base:
         SERVED_DIR[:] = [str(media_dir)]
         yield base, expected
@@ -407,6 +407,30 @@ def test_a_thousand_bad_requests_leave_memory_where_it_was(server):
         after = resident()
         assert http.post("/v1/chat/completions", json=_good()).json()["choices"][0]["message"]["content"] == "red"
     assert after - before < 8 * 2**20, (before, after)
+
+
+def test_a_client_that_sends_its_body_slowly_gets_408_and_holds_nothing(server):
+    """A body that has not all arrived within --body-timeout (2 s here) is a 408 in OpenAI's error
+    shape; the server answers others meanwhile and after."""
+    base, _ = server
+    host, port = base.removeprefix("http://").split(":")
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=30) as slow:
+        slow.sendall(head + b'{"model": ')  # and then nothing
+        started = time.monotonic()
+        assert _post(base, _good()).json()["choices"][0]["message"]["content"] == "red"  # not held up
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            part = slow.recv(4096)
+            if not part:
+                break
+            reply += part
+    waited = time.monotonic() - started
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and 1.5 < waited < 15, (head, waited)
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert _post(base, _good()).json()["choices"][0]["message"]["content"] == "red"
 
 
 def test_an_unexpected_failure_is_a_500_without_its_details(server, monkeypatch, caplog):

@@ -52,6 +52,8 @@ def serve(
     prefix_cache_dir_bytes: str = typer.Option("16GiB", metavar="SIZE", help="Bytes of the files kept in "
                                                "--prefix-cache-dir, least recently used removed first."),
     max_body_bytes: str = typer.Option("64MiB", metavar="SIZE", help="Largest request body (413 beyond)."),
+    body_timeout: float = typer.Option(120.0, min=0.001, metavar="SECONDS", help="Time a request body may take to "
+                                       "arrive (408 after)."),
     max_media_bytes: str = typer.Option("256MiB", metavar="SIZE", help="Media bytes of one request, decoded."),
     max_messages: int = typer.Option(64, min=1, help="Messages of one request."),
     quiet: bool = QUIET, debug: bool = DEBUG, options=None,
@@ -78,7 +80,7 @@ def serve(
         raise UsageError("the key is empty", "--api-key")
     settings = ServeSettings(
         model_id=model, allowed_media_dir=allowed_media_dir, api_key=api_key,
-        max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
+        max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"), body_timeout_s=body_timeout,
         max_media_bytes=parse_size(max_media_bytes, "--max-media-bytes"), max_messages=max_messages,
         max_batch=max_batch, queue_size=queue_size,
         prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes"), prefix_cache_dir=prefix_cache_dir,

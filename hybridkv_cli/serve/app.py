@@ -3,7 +3,8 @@
 
 Every error is OpenAI's JSON shape with its status (:mod:`.errors`); nothing a handler raises
 reaches a client as a traceback. The key (``--api-key``) is compared in constant time. A body is
-read up to ``--max-body-bytes`` (413 beyond, told by its Content-Length before it is read), then
+read up to ``--max-body-bytes`` (413 beyond, told by its Content-Length before it is read) and
+within ``--body-timeout`` seconds (408 after: a client that sends slowly holds nothing longer), then
 parsed, validated and its media resolved (in a thread for a body over 256 KiB); the request then
 waits for the worker's events, and a client that disconnects is cancelled. A stream's first chunk
 carries the assistant's role with the first text.
@@ -107,7 +108,12 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
         status = 500
         try:
             authorize(request)
-            body = await read_body(request, settings.max_body_bytes)
+            try:
+                async with asyncio.timeout(settings.body_timeout_s):
+                    body = await read_body(request, settings.max_body_bytes)
+            except TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s "
+                               "(--body-timeout)", code="request_timeout") from None
             loop = asyncio.get_running_loop()
             ticket = (make_ticket(body, loop) if len(body) <= INLINE_BODY_BYTES else
                       await run_in_threadpool(lambda: make_ticket(body, loop)))

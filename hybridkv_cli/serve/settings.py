@@ -15,6 +15,7 @@ class ServeSettings:
     allowed_media_dir: str | None = None  # local media only under this directory (None: no local files)
     api_key: str | None = None  # required as "Authorization: Bearer KEY" (None: no key)
     max_body_bytes: int = 64 * MiB  # a request body beyond this: 413
+    body_timeout_s: float = 120.0  # a body not all here by then: 408 (a client sending slowly holds nothing longer)
     max_media_bytes: int = 256 * MiB  # the media of one request, decoded, together
     max_messages: int = 64
     max_media_parts: int = 256  # images of one image set (runs/guards.py warns beyond 256 too)
