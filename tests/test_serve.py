@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -112,6 +113,7 @@ def server(media_dir):
     expected[(SHAPES.name, SHAPES_QUESTION)] = answer_all(Item((str(SHAPES),)), [SHAPES_QUESTION])[0]["answer"]
     expected["images"] = answer_all(Item(tuple(map(str, IMAGES))), [IMAGE_QUESTION])[0]["answer"]
     expected["text"] = answer_all(Item(()), [TEXT_QUESTION], context=TEXT)[0]["answer"]
+    expected["session"] = session
     settings = ServeSettings(model_id="demo", allowed_media_dir=str(media_dir), api_key=KEY,
                              max_body_bytes=2**20, max_messages=64, max_batch=8, queue_size=64, body_timeout_s=2.0)
     with serving(session, settings) as base:
@@ -201,6 +203,45 @@ def test_second_question_about_a_video_is_a_prefix_cache_hit_and_skips_prefill(s
     # (about 4x faster here; the best of two hits, so one slow moment of a busy machine does not decide)
     again = stream_answer(client, video_message(url, SHAPES_QUESTION))[1]
     assert min(second_ttft, again) < first_ttft / 2, (first_ttft, second_ttft, again)
+
+
+def test_a_conversation_goes_on_after_the_kept_prefix_as_the_model_reads_it_whole(server, client):
+    """A chat about a video: the follow-up (the first question, its answer, a new question) reuses
+    the video's kept prefix and reads the turns after it; its prompt is token for token the chat
+    template's rendering of the whole conversation, and with method full its answer is the stock
+    model's greedy answer to that conversation."""
+    from hybridkv_cli.models import families
+    from hybridkv_cli.models.prompt import video_kwargs
+
+    base, expected = server
+    session = expected["session"]
+    url, full = data_url(NEEDLE), {"hybridkv": {"method": "full"}}
+    first = client.chat.completions.create(model="demo", messages=video_message(url, QUESTIONS[0]), max_tokens=8,
+                                           extra_body=full)
+    answer = first.choices[0].message.content
+    talk = [*video_message(url, QUESTIONS[0]), {"role": "assistant", "content": answer},
+            {"role": "user", "content": [{"type": "text", "text": QUESTIONS[1]}]}]
+    reply = client.chat.completions.create(model="demo", messages=talk, max_tokens=8, extra_body=full)
+    assert reply.model_extra["hybridkv"]["prefix_cache_hit"] is True  # the first turn's prefix
+    loaded = session.model()
+    media = session.load_media([str(NEEDLE)])
+    whole = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": QUESTIONS[0]}]},
+             {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+             {"role": "user", "content": [{"type": "text", "text": QUESTIONS[1]}]}]
+    text = loaded.processor.apply_chat_template(whole, tokenize=False, add_generation_prompt=True)
+    height, width = media.size
+    meta = video_kwargs(fps=media.sample_fps or 2.0, num_frames=media.frames_used)["video_metadata"]
+    inputs = loaded.processor(text=[text], videos=[media.video], return_tensors="pt", videos_kwargs=families.media_kwargs(
+        loaded.processor, "video", media.frames_used * height * width, meta))
+    assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    with torch.inference_mode():
+        stock = loaded.model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert reply.choices[0].message.content == loaded.tokenizer.decode(stock, skip_special_tokens=True).strip()
+    wrong = [("media after the first message", [*talk[:2], video_message(url, "?")[0]], "messages[2].content"),
+             ("ends with the assistant", talk[:2], "messages"), ("two users in a row", [talk[0], talk[2]], "messages")]
+    for _, messages, param in wrong:
+        r = _post(base, {"model": "demo", "messages": messages})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_stop_strings_and_max_tokens(server, client):

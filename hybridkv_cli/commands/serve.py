@@ -15,9 +15,10 @@ from hybridkv_cli.io.errors import UsageError
 SERVE_HELP = (
     "Serve MODEL over HTTP with OpenAI's chat completions API (POST /v1/chat/completions, GET /v1/models, "
     "GET /health, GET /metrics).\n\n"
-    "A request is one user message: image_url / video_url parts (data: URLs; local files only under "
-    "--allowed-media-dir; remote URLs are refused) and the question as text. The media is compressed once and "
-    "kept (--prefix-cache-bytes): a later question about the same media skips its decoding and prefill. Answers "
+    "A request is a user message: image_url / video_url parts (data: URLs; local files only under "
+    "--allowed-media-dir; remote URLs are refused) and the question as text; a conversation goes on with the "
+    "answers and further questions as text. The media is compressed once and kept (--prefix-cache-bytes, "
+    "--prefix-cache-dir): a later question about the same media skips its decoding and prefill. Answers "
     "are greedy and equal `hybridkv ask MEDIA -Q QUESTION`'s. Requests decode together (--max-batch, "
     "--kv-memory). Per request: \"hybridkv\": {\"method\": ..., \"budget\": ...}. Needs the serve extra: "
     "pip install -e \".\\[serve]\". See docs/serve.md."

@@ -114,8 +114,46 @@ class QuestionTemplate:
                 return cls(ids[cut:start], ids[start + len(q):])
         raise RuntimeError("the question's tokens were not found in its prompt")
 
-    def suffix(self, tokenizer, question: str) -> list[int]:
-        return [*self.head, *question_ids(tokenizer, question), *self.tail]
+    def suffix(self, tokenizer, question: str, history: Sequence[tuple[str, str]] = (),
+               turn: list[int] | None = None) -> list[int]:
+        """The tokens read after the prefix: ``question``, or a conversation whose earlier turns
+        (``history``: each a question and the answer it got) come first, each answer followed by
+        ``turn`` (:func:`conversation_tokens`) -- as the chat template renders them."""
+        ids = list(self.head)
+        for asked, answered in history:
+            ids += [*question_ids(tokenizer, asked), *self.tail, *question_ids(tokenizer, answered), *turn]
+        return [*ids, *question_ids(tokenizer, question), *self.tail]
+
+
+def conversation_tokens(processor, role: str) -> tuple[list[int], list[int]] | None:
+    """``(tail, turn)`` of the chat template: the tokens from the end of a user's text to the
+    assistant's answer, and from the end of an answer to the next user's text (Qwen:
+    ``<|im_end|>\n<|im_start|>assistant\n`` and ``<|im_end|>\n<|im_start|>user\n``), rendered as
+    the prompt of ``role`` is (a media prompt by the processor, a text prompt by the tokenizer).
+    None when there is no template or it renders an earlier answer otherwise than right after
+    that tail (a conversation then cannot follow a kept prefix)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    marks = ("\ue001", "\ue002", "\ue003")  # private-use characters, as _MARKER
+    if role == "context":
+        if not getattr(tokenizer, "chat_template", None):
+            return None
+        render, content = tokenizer.apply_chat_template, (lambda text: text)
+    else:
+        render, content = processor.apply_chat_template, (lambda text: [{"type": "text", "text": text}])
+    messages = [{"role": who, "content": content(text)} for who, text in zip(("user", "assistant", "user"), marks)]
+    try:
+        rendered = render(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that refuses earlier turns
+        return None
+    if any(rendered.count(m) != 1 for m in marks):
+        return None
+    rest = rendered.split(marks[0])[1]
+    tail, rest = rest.split(marks[1])
+    turn, end = rest.split(marks[2])
+    if tail != end:
+        return None
+    ids = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []  # noqa: E731
+    return ids(tail), ids(turn)
 
 
 def chat_text(processor, media: MediaInput, text: str) -> str:

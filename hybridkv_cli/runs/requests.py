@@ -54,6 +54,7 @@ class Request:
     policy: Policy | None = None
     max_new_tokens: int | None = None
     label: str | None = None  # the name its errors give (None: the item's key, or the prompt's source)
+    history: tuple[tuple[str, str], ...] = ()  # earlier turns (question, answer) before its questions (the server)
 
     def __post_init__(self):
         if sum(x is not None for x in (self.item, self.prepared, self.prefix)) != 1:
@@ -62,6 +63,8 @@ class Request:
             self.questions = (self.prepared.question,)
         cache_file = self.item is not None and len(self.item.paths) == 1 and is_cache_path(self.item.paths[0])
         self.shared = self.prefix is not None or cache_file or (self.shared and self.prepared is None)
+        if self.history and not self.shared:
+            raise ValueError("earlier turns are read after a shared prefix")
 
     @property
     def source(self) -> str:

@@ -28,7 +28,8 @@ from hybridkv_cli.io.errors import ContextLengthError, HybridKVError, ModelError
 from hybridkv_cli.media import MediaInput, load_media, load_media_stream
 from hybridkv_cli.models import registry
 from hybridkv_cli.models.loaded import LoadedModel
-from hybridkv_cli.models.prompt import Prompt, QuestionTemplate, build_prompt, build_text_prompt
+from hybridkv_cli.models.prompt import (Prompt, QuestionTemplate, build_prompt, build_text_prompt,
+                                        conversation_tokens)
 from hybridkv_cli.runs.guards import (check_length, check_new_tokens, check_stream_memory, failure, free_memory,
                                       guarded, is_oom, warn_if_large)
 from hybridkv_cli.runs.inputs import Item
@@ -90,6 +91,7 @@ class Session:
         if options.method == "full" and options.streaming.kv_tokens is not None:
             raise UsageError("full keeps the whole cache: no --stream-kv-tokens", "--stream-kv-tokens")
         self._sized: set = set()  # the media whose size was checked: one warning per input, however many runs
+        self._turns: dict = {}  # the chat template's (tail, turn) tokens by prompt role, read once
 
     # --- the steps ---------------------------------------------------------------------------
     def model(self) -> LoadedModel:
@@ -279,12 +281,24 @@ class Session:
         model's context."""
         loaded = self.model()
         new, limit = request.max_new_tokens or self.options.max_new_tokens, loaded.context_limit
-        suffix = prefix.template.suffix(loaded.tokenizer, request.questions[index])
+        turn = self._turn(prefix, request) if request.history else None
+        suffix = prefix.template.suffix(loaded.tokenizer, request.questions[index], request.history, turn)
         if limit and prefix.seen + len(suffix) + new > limit:
             raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {new} new, more than "
                                      f"the model's context of {limit} tokens", request.source)
         return Job((request, index) if tag is None else tag, suffix, prefix=prefix, about=(request, index),
                    max_new_tokens=request.max_new_tokens)
+
+    def _turn(self, prefix: Prefix, request: Request) -> list[int]:
+        """The tokens between an answer and the next question of a conversation after ``prefix``
+        (a :class:`UsageError` when the model's chat template has none that fit its prompt)."""
+        if prefix.role not in self._turns:
+            self._turns[prefix.role] = conversation_tokens(self.model().processor, prefix.role)
+        found = self._turns[prefix.role]
+        if found is None or found[0] != prefix.template.tail:
+            raise UsageError(f"{self.model().name}'s chat template does not continue a conversation after a kept "
+                             "prefix: ask one question", request.source)
+        return found[1]
 
     def record(self, outcome) -> dict:
         """The result record (README, "JSON output") of a job's generation: a question read in

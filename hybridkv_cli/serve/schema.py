@@ -1,10 +1,12 @@
 """The body of ``POST /v1/chat/completions``, validated into a :class:`Chat`.
 
 OpenAI's request fields are declared (strict types; an unknown field is refused, as OpenAI refuses
-one), then read into what the engine answers: one user message whose image / video parts are the
-media and whose text is the question. What the engine cannot do is refused with a 400 naming the
-field, never silently ignored: sampling (only greedy decoding is served), several choices, log
-probabilities, tools, other turns.
+one), then read into what the engine answers: a conversation whose first user message holds the
+media (its image / video parts) and the first question, then, as a chat goes on, the assistant's
+answers and the user's next questions as text; the last message is the question answered. What
+the engine cannot do is refused with a 400 naming the field, never silently ignored: sampling
+(only greedy decoding is served), several choices, log probabilities, tools, system prompts,
+media after the first message.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class Chat:
 
     question: str
     context: str | None  # a text-only request: the text the question is about
+    history: tuple[tuple[str, str], ...]  # the conversation's earlier turns: (question, answer) each
     media: tuple[tuple[str, str], ...]  # ("image" | "video", url) in order
     stream: bool
     include_usage: bool
@@ -108,7 +111,7 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
         raise ApiError(404, f"the model '{chat.model}' does not exist; this server serves '{settings.model_id}'",
                        param="model", code="model_not_found")
     _greedy_only(chat)
-    question, context, media = _conversation(chat.messages, settings)
+    question, context, media, history = _conversation(chat.messages, settings)
     stop = (chat.stop,) if isinstance(chat.stop, str) else tuple(chat.stop or ())
     if len(stop) > settings.max_stop or any(not s for s in stop):
         raise bad_request(f"stop: at most {settings.max_stop} non-empty strings", "stop")
@@ -116,7 +119,7 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
             chat.max_tokens != chat.max_completion_tokens:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
     choice = chat.hybridkv or MethodChoice()
-    return Chat(question=question, context=context, media=media, stream=chat.stream,
+    return Chat(question=question, context=context, history=history, media=media, stream=chat.stream,
                 include_usage=bool(chat.stream_options and chat.stream_options.include_usage),
                 max_tokens=chat.max_tokens or chat.max_completion_tokens, stop=stop, method=choice.method,
                 budget=choice.budget)
@@ -155,29 +158,48 @@ def _greedy_only(chat: ChatBody) -> None:
 
 
 def _conversation(messages: list[Message], settings: ServeSettings):
-    """``(question, context, media)`` of the one user message; other turns are refused (the
-    engine's prompt is one user turn: media, then the question)."""
-    if len(messages) != 1 or messages[0].role != "user":
-        roles = ", ".join(m.role for m in messages) or "none"
-        raise bad_request(f"give exactly one user message (got: {roles}); system prompts and earlier turns are not "
-                          "served: the prompt is the media and the question, as `hybridkv ask` builds it", "messages")
-    content = messages[0].content
-    parts = [TextPart(type="text", text=content)] if isinstance(content, str) else list(content or [])
-    texts = [p.text for p in parts if isinstance(p, TextPart)]
+    """``(question, context, media, history)``: the first user message's media (and, with none,
+    its text context), the last message's question, and the turns between as (question, answer)
+    pairs. Turns alternate user, assistant, ..., user; only the first message has media (its
+    compressed prefix is what a conversation about it keeps)."""
+    for i, m in enumerate(messages):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if m.role != expected or (i == len(messages) - 1 and m.role != "user"):
+            roles = ", ".join(m.role for m in messages) or "none"
+            raise bad_request(f"turns alternate user, assistant, ..., user, the media in the first (got: {roles}); "
+                              "system prompts are not served: the prompt is the media and the questions, as "
+                              "`hybridkv ask` builds it", "messages")
+    if not messages:
+        raise bad_request("give a user message", "messages")
+    parts = [_parts(m) for m in messages]
     media = tuple(("image", p.image_url.url) if isinstance(p, ImagePart) else ("video", p.video_url.url)
-                  for p in parts if not isinstance(p, TextPart))
+                  for p in parts[0] if not isinstance(p, TextPart))
     if any(kind == "video" for kind, _ in media) and len(media) > 1:
         raise bad_request("one video per request, and nothing else beside it (a video cannot be combined with other "
                           "media)", "messages[0].content")
     if len(media) > settings.max_media_parts:
         raise bad_request(f"{len(media)} media parts; at most {settings.max_media_parts}", "messages[0].content")
+    for i, later in enumerate(parts[1:], 1):
+        if any(not isinstance(p, TextPart) for p in later):
+            raise bad_request("media only in the first user message (a conversation is about its media; ask about "
+                              "other media in a new conversation)", f"messages[{i}].content")
+    texts = [[p.text for p in message if isinstance(p, TextPart)] for message in parts]
     context = None
     if not media:
-        if len(texts) < 2:
+        if len(texts[0]) < 2:
             raise bad_request("give an image_url or video_url part, or (a text-only request) the text as the first "
                               "text part(s) and the question as the last", "messages[0].content")
-        context, texts = "\n\n".join(texts[:-1]), texts[-1:]
-    question = "\n".join(t.strip() for t in texts if t.strip())
-    if not question:
-        raise bad_request("the question (the message's text) is empty", "messages[0].content")
-    return question, context, media
+        context, texts[0] = "\n\n".join(texts[0][:-1]), texts[0][-1:]
+    said = ["\n".join(t.strip() for t in message if t.strip()) for message in texts]
+    for i in range(0, len(said), 2):
+        if not said[i]:
+            raise bad_request("the question (the message's text) is empty", f"messages[{i}].content")
+    history = tuple(zip(said[0:-1:2], said[1:-1:2]))
+    return said[-1], context, media, history
+
+
+def _parts(message: Message) -> list:
+    """A message's content as parts (a string is one text part); no content is refused."""
+    if message.content is None:
+        raise bad_request(f"a {message.role} message without content (tool calls are not served)", "messages")
+    return [TextPart(type="text", text=message.content)] if isinstance(message.content, str) else list(message.content)

@@ -261,7 +261,8 @@ class Worker:
         ticket.refs = []  # decoded: the bytes can go
         tokenizer = self.session.model().tokenizer
         ticket.text = AnswerText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), chat.stop)
-        request = Request(ticket, (chat.question,), prefix=prefix, max_new_tokens=chat.max_tokens, label="request")
+        request = Request(ticket, (chat.question,), prefix=prefix, max_new_tokens=chat.max_tokens, label="request",
+                          history=chat.history)
         return self.session.question_job(prefix, request, 0, tag=ticket)
 
     def _compress(self, ticket: Ticket):
