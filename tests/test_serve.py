@@ -205,43 +205,58 @@ def test_second_question_about_a_video_is_a_prefix_cache_hit_and_skips_prefill(s
     assert min(second_ttft, again) < first_ttft / 2, (first_ttft, second_ttft, again)
 
 
-def test_a_conversation_goes_on_after_the_kept_prefix_as_the_model_reads_it_whole(server, client):
-    """A chat about a video: the follow-up (the first question, its answer, a new question) reuses
-    the video's kept prefix and reads the turns after it; its prompt is token for token the chat
-    template's rendering of the whole conversation, and with method full its answer is the stock
-    model's greedy answer to that conversation."""
+def stock_answer(session, media_path: Path, turns: list[tuple[str, str]], max_new_tokens: int):
+    """``(prompt tokens, answer)`` of the stock model's greedy ``generate`` on the chat template's
+    rendering of ``turns`` ((role, text) each; the video in the first user turn)."""
     from hybridkv_cli.models import families
     from hybridkv_cli.models.prompt import video_kwargs
 
-    base, expected = server
-    session = expected["session"]
-    url, full = data_url(NEEDLE), {"hybridkv": {"method": "full"}}
-    first = client.chat.completions.create(model="demo", messages=video_message(url, QUESTIONS[0]), max_tokens=8,
-                                           extra_body=full)
-    answer = first.choices[0].message.content
-    talk = [*video_message(url, QUESTIONS[0]), {"role": "assistant", "content": answer},
-            {"role": "user", "content": [{"type": "text", "text": QUESTIONS[1]}]}]
-    reply = client.chat.completions.create(model="demo", messages=talk, max_tokens=8, extra_body=full)
-    assert reply.model_extra["hybridkv"]["prefix_cache_hit"] is True  # the first turn's prefix
-    loaded = session.model()
-    media = session.load_media([str(NEEDLE)])
-    whole = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": QUESTIONS[0]}]},
-             {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-             {"role": "user", "content": [{"type": "text", "text": QUESTIONS[1]}]}]
-    text = loaded.processor.apply_chat_template(whole, tokenize=False, add_generation_prompt=True)
+    loaded, media = session.model(), session.load_media([str(media_path)])
+    messages, video = [], [{"type": "video"}]
+    for role, text in turns:
+        messages.append({"role": role, "content": [*(video if role == "user" else []), {"type": "text", "text": text}]})
+        video = video if role != "user" else []
+    text = loaded.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     height, width = media.size
     meta = video_kwargs(fps=media.sample_fps or 2.0, num_frames=media.frames_used)["video_metadata"]
     inputs = loaded.processor(text=[text], videos=[media.video], return_tensors="pt", videos_kwargs=families.media_kwargs(
         loaded.processor, "video", media.frames_used * height * width, meta))
-    assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    length = inputs["input_ids"].shape[1]
     with torch.inference_mode():
-        stock = loaded.model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
-    assert reply.choices[0].message.content == loaded.tokenizer.decode(stock, skip_special_tokens=True).strip()
+        tokens = loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)[0, length:]
+    return length, loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def test_a_conversation_goes_on_after_the_kept_prefix_as_the_model_reads_it_whole(server, client):
+    """A chat about a video: the follow-up (the first question, its answer, a new question) reuses
+    the video's kept prefix and reads the turns after it; its prompt is token for token the chat
+    template's rendering of the whole conversation, and with method full its answer is the stock
+    model's greedy answer to that conversation. A system prompt is rendered before the media: a
+    prefix of its own, and again the stock model's answer."""
+    base, expected = server
+    session = expected["session"]
+    url, full = data_url(NEEDLE), {"hybridkv": {"method": "full"}}
+    ask = lambda messages: client.chat.completions.create(model="demo", messages=messages, max_tokens=8,  # noqa: E731
+                                                          extra_body=full)
+    answer = ask(video_message(url, QUESTIONS[0])).choices[0].message.content
+    talk = [*video_message(url, QUESTIONS[0]), {"role": "assistant", "content": answer},
+            {"role": "user", "content": [{"type": "text", "text": QUESTIONS[1]}]}]
+    turns = [("user", QUESTIONS[0]), ("assistant", answer), ("user", QUESTIONS[1])]
+    system = "You answer with one word."
+    for before, hit in (([], True), ([{"role": "system", "content": system}], False)):
+        reply = ask([*before, *talk])
+        assert reply.model_extra["hybridkv"]["prefix_cache_hit"] is hit  # the first turn's prefix; none yet with it
+        length, text = stock_answer(session, NEEDLE, [("system", system)] * len(before) + turns, 8)
+        assert reply.usage.prompt_tokens == length and reply.choices[0].message.content == text
     wrong = [("media after the first message", [*talk[:2], video_message(url, "?")[0]], "messages[2].content"),
-             ("ends with the assistant", talk[:2], "messages"), ("two users in a row", [talk[0], talk[2]], "messages")]
-    for _, messages, param in wrong:
+             ("ends with the assistant", talk[:2], "messages"), ("two users in a row", [talk[0], talk[2]], "messages"),
+             ("a template token in the system prompt", [{"role": "system", "content": "<|im_start|>user"}, *talk],
+              "messages[0].content"),
+             ("media in the system message", [{"role": "system", "content": talk[0]["content"]}, *talk],
+              "messages[0].content")]
+    for name, messages, param in wrong:
         r = _post(base, {"model": "demo", "messages": messages})
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (name, r.text)
 
 
 def test_stop_strings_and_max_tokens(server, client):
@@ -411,8 +426,8 @@ REFUSALS = {
     "bad budget": (lambda: _good(hybridkv={"method": "snapkv", "budget": 1.5}), 400, None),
     "unknown method": (lambda: _good(hybridkv={"method": "os.system"}), 400, None),
     "another model": (lambda: {**_good(), "model": "gpt-4"}, 404, "model_not_found"),
-    "a system turn": (lambda: {"model": "demo", "messages": [{"role": "system", "content": "be brief"},
-                                                            *video_message("needle.mp4", "?")]}, 400, None),
+    "a system turn after the user's": (lambda: {"model": "demo", "messages": [
+        *video_message("needle.mp4", "?"), {"role": "system", "content": "be brief"}]}, 400, None),
 }
 
 
@@ -605,7 +620,8 @@ def test_prefix_cache_keeps_within_its_bytes_least_recently_used_first():
                                      "sampling": {"frames": 64}, "media_digests": [("video", "ab")],
                                      "context": None, **kw})
     assert key() == key() and len({key(), key(options={"budget": 0.2}), key(media_digests=[("video", "cd")]),
-                                   key(model="other"), key(sampling={"frames": 32})}) == 5
+                                   key(model="other"), key(sampling={"frames": 32}), key(system="be brief"),
+                                   key(context="text")}) == 7
 
 
 @pytest.mark.slow

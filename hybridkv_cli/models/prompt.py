@@ -156,14 +156,30 @@ def conversation_tokens(processor, role: str) -> tuple[list[int], list[int]] | N
     return ids(tail), ids(turn)
 
 
-def chat_text(processor, media: MediaInput, text: str) -> str:
-    """The chat template rendered for ``media`` + ``text`` (one visual placeholder per image/video)."""
+def chat_text(processor, media: MediaInput, text: str, system: str | None = None) -> str:
+    """The chat template rendered for ``media`` + ``text`` (one visual placeholder per image/video),
+    after a ``system`` prompt if one is given (:func:`checked_system` first)."""
     parts = [{"type": "video"}] if media.kind == "video" else [{"type": "image"} for _ in media.images]
-    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+    messages = [*_system_turn(system, [{"type": "text", "text": system}]),
+                {"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
     # Several images are labelled "Picture 1:", ... (Qwen's convention), so questions can name them.
     # (Only templates that know the flag get it: others, e.g. LLaVA-OneVision's, would warn.)
     extra = {"add_vision_id": len(parts) > 1} if "add_vision_id" in str(processor.chat_template or "") else {}
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+
+
+def checked_system(tokenizer, system: str | None) -> str | None:
+    """A system prompt as the template renders it: refused (a :class:`UsageError`) when it holds a
+    token of the chat template, which rendered would be read as structure (a new turn)."""
+    if system is None:
+        return None
+    if any(token in system for token in tokenizer.get_added_vocab()):
+        raise UsageError("the system prompt contains chat-template tokens", "system")
+    return system
+
+
+def _system_turn(system: str | None, content) -> list[dict]:
+    return [] if system is None else [{"role": "system", "content": content}]
 
 
 def question_ids(tokenizer, question: str) -> list[int]:
@@ -188,8 +204,9 @@ def question_standin(tokenizer, rendered: str) -> str | None:
     return None
 
 
-def build_prompt(processor, media: MediaInput, question: str) -> Prompt:
-    """Render the chat template for ``media`` + ``question`` and run the processor.
+def build_prompt(processor, media: MediaInput, question: str, system: str | None = None) -> Prompt:
+    """Render the chat template for ``media`` + ``question`` (after a ``system`` prompt, if given)
+    and run the processor.
 
     The question is tokenised on its own as plain text (:func:`question_ids`) and spliced into
     the processed prompt where a one-token stand-in sat, so text such as ``<|im_start|>`` or
@@ -201,7 +218,7 @@ def build_prompt(processor, media: MediaInput, question: str) -> Prompt:
     if not question:
         raise UsageError("the question is empty", "QUESTION")
     tokenizer = processor.tokenizer
-    rendered = chat_text(processor, media, _MARKER)
+    rendered = chat_text(processor, media, _MARKER, checked_system(tokenizer, system))
     standin = question_standin(tokenizer, rendered)
     if standin is None:  # no spare special token (not the case for Qwen tokenizers)
         if any(t in question for t in tokenizer.get_added_vocab()):
@@ -234,9 +251,9 @@ def build_prompt(processor, media: MediaInput, question: str) -> Prompt:
     return Prompt(inputs=inputs, visual=torch.isin(ids, torch.tensor(families.visual_token_ids(processor))))
 
 
-def build_text_prompt(tokenizer, context: str, question: str) -> Prompt:
+def build_text_prompt(tokenizer, context: str, question: str, system: str | None = None) -> Prompt:
     """A text prompt: ``context``, a blank line, then ``question``, in one user turn of the chat
-    template (no template: the bare text).
+    template (no template: the bare text), after a ``system`` prompt if one is given.
 
     Roles: the context's tokens play the part visual tokens play in a media prompt (``visual``
     True); the question and the template are text. Context and question are tokenised as plain
@@ -246,7 +263,9 @@ def build_text_prompt(tokenizer, context: str, question: str) -> Prompt:
     question, context = question.strip(), context.strip()
     if not question:
         raise UsageError("the question is empty", "QUESTION")
-    turn = [{"role": "user", "content": _MARKER}]
+    if system is not None and not tokenizer.chat_template:
+        raise UsageError("this model has no chat template to put a system prompt in", "system")
+    turn = [*_system_turn(checked_system(tokenizer, system), system), {"role": "user", "content": _MARKER}]
     rendered = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
                 if tokenizer.chat_template else _MARKER)
     head, tail = rendered.split(_MARKER)

@@ -125,19 +125,20 @@ class Session:
         return load_media(list(paths), frames=o.frames, fps=o.fps, max_pixels=max_pixels)
 
     def prepare(self, media: MediaInput | None, question: str, *, context: str | None = None,
-                source: str | None = None) -> Prepared:
-        """Build the prompt for ``question`` about ``media`` (None: about the text ``context``)
-        and check that it fits the model's context with the tokens to generate."""
+                source: str | None = None, system: str | None = None) -> Prepared:
+        """Build the prompt for ``question`` about ``media`` (None: about the text ``context``),
+        after a ``system`` prompt if given, and check that it fits the model's context with the
+        tokens to generate."""
         loaded = self.model()
         if media is None:
             source = source or "--context"
-            prompt = build_text_prompt(loaded.tokenizer, context or "", question)
+            prompt = build_text_prompt(loaded.tokenizer, context or "", question, system)
         else:
             if context is not None:
                 raise UsageError("give media or a text context, not both", "--context")
             source = source or media.label
             loaded.refuse_media(source)
-            prompt = guarded(source, build_prompt, loaded.processor, media, question)
+            prompt = guarded(source, build_prompt, loaded.processor, media, question, system)
         check_length(prompt, loaded.context_limit, self.options.max_new_tokens, source)
         if media is not None and media.stream is not None:
             check_stream_memory(media, prompt, loaded, source)
@@ -177,11 +178,12 @@ class Session:
         return self.compress_media(media, context=context, source=item.key if item.paths else None, policy=policy)
 
     def compress_media(self, media: MediaInput | None, *, context: str | None = None, source: str | None = None,
-                       policy: Policy | None = None) -> Prefix:
-        """``media`` (None: the text ``context``) prefilled and compressed with ``policy`` (default:
-        the session's), no question read: a shared prefix every question decodes a copy of."""
+                       policy: Policy | None = None, system: str | None = None) -> Prefix:
+        """``media`` (None: the text ``context``), after a ``system`` prompt if given, prefilled
+        and compressed with ``policy`` (default: the session's), no question read: a shared
+        prefix every question decodes a copy of."""
         policy = policy or self.policy
-        prepared = self.prepare(media, TEMPLATE_QUESTION, context=context, source=source)
+        prepared = self.prepare(media, TEMPLATE_QUESTION, context=context, source=source, system=system)
         prompt = prepared.prompt
         if prompt.question_start == prompt.length:
             raise HybridKVError("the prompt has no question after its media", prepared.source)

@@ -2,8 +2,8 @@
 decoding, the vision encoder, the prefill and the compression.
 
 The key is a SHA-256 over everything a prefix depends on -- the model, the method and its options,
-how media is sampled and sized, each media's kind and bytes, and (a text prompt) the text before
-the question -- so equal keys are equal prefixes. The value is the engine's shared
+how media is sampled and sized, each media's kind and bytes, the system prompt, and (a text
+prompt) the text before the question -- so equal keys are equal prefixes. The value is the engine's shared
 :class:`~hybridkv_cli.engine.Prefix`; every question decodes a copy of it (``Prefix.take``), so
 nothing of one answer reaches the next. Entries are evicted least recently used first, to keep
 their device + host bytes within the cap; a prefix larger than the cap is not kept.
@@ -21,10 +21,11 @@ from collections import OrderedDict
 
 
 def prefix_key(model: str, method: str, options: dict, sampling: dict, media_digests: list[tuple[str, str]],
-               context: str | None) -> str:
+               context: str | None, system: str | None = None) -> str:
     """The content hash of a prefix (see the module docstring)."""
+    digest = lambda text: hashlib.sha256(text.encode()).hexdigest() if text is not None else None  # noqa: E731
     what = {"model": model, "method": method, "options": options, "sampling": sampling, "media": media_digests,
-            "context": hashlib.sha256(context.encode()).hexdigest() if context is not None else None}
+            "context": digest(context), "system": digest(system)}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -5,8 +5,9 @@ one), then read into what the engine answers: a conversation whose first user me
 media (its image / video parts) and the first question, then, as a chat goes on, the assistant's
 answers and the user's next questions as text; the last message is the question answered. What
 the engine cannot do is refused with a 400 naming the field, never silently ignored: sampling
-(only greedy decoding is served), several choices, log probabilities, tools, system prompts,
-media after the first message.
+(only greedy decoding is served), several choices, log probabilities, tools, media after the first
+message. A system (or developer) message may come first: it is rendered before the media, so it
+is part of the kept prefix.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class Chat:
     question: str
     context: str | None  # a text-only request: the text the question is about
     history: tuple[tuple[str, str], ...]  # the conversation's earlier turns: (question, answer) each
+    system: str | None  # the system prompt, before the media (None: the template's default)
     media: tuple[tuple[str, str], ...]  # ("image" | "video", url) in order
     stream: bool
     include_usage: bool
@@ -111,7 +113,8 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
         raise ApiError(404, f"the model '{chat.model}' does not exist; this server serves '{settings.model_id}'",
                        param="model", code="model_not_found")
     _greedy_only(chat)
-    question, context, media, history = _conversation(chat.messages, settings)
+    system, first = _system(chat.messages)
+    question, context, media, history = _conversation(chat.messages[first:], settings, first)
     stop = (chat.stop,) if isinstance(chat.stop, str) else tuple(chat.stop or ())
     if len(stop) > settings.max_stop or any(not s for s in stop):
         raise bad_request(f"stop: at most {settings.max_stop} non-empty strings", "stop")
@@ -119,7 +122,7 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
             chat.max_tokens != chat.max_completion_tokens:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
     choice = chat.hybridkv or MethodChoice()
-    return Chat(question=question, context=context, history=history, media=media, stream=chat.stream,
+    return Chat(question=question, context=context, history=history, system=system, media=media, stream=chat.stream,
                 include_usage=bool(chat.stream_options and chat.stream_options.include_usage),
                 max_tokens=chat.max_tokens or chat.max_completion_tokens, stop=stop, method=choice.method,
                 budget=choice.budget)
@@ -157,43 +160,55 @@ def _greedy_only(chat: ChatBody) -> None:
                               name, "unsupported_value")
 
 
-def _conversation(messages: list[Message], settings: ServeSettings):
+def _system(messages: list[Message]) -> tuple[str | None, int]:
+    """The system prompt (a first ``system`` or ``developer`` message, its text parts joined by line
+    breaks) and where the conversation after it starts."""
+    if not messages or messages[0].role not in ("system", "developer"):
+        return None, 0
+    parts = _parts(messages[0])
+    if any(not isinstance(p, TextPart) for p in parts):
+        raise bad_request("a system message is text", "messages[0].content")
+    return "\n".join(p.text for p in parts), 1
+
+
+def _conversation(messages: list[Message], settings: ServeSettings, first: int = 0):
     """``(question, context, media, history)``: the first user message's media (and, with none,
     its text context), the last message's question, and the turns between as (question, answer)
     pairs. Turns alternate user, assistant, ..., user; only the first message has media (its
-    compressed prefix is what a conversation about it keeps)."""
+    compressed prefix is what a conversation about it keeps). ``first``: the index of ``messages[0]``
+    in the request (after a system message), for the fields errors name."""
     for i, m in enumerate(messages):
         expected = "user" if i % 2 == 0 else "assistant"
         if m.role != expected or (i == len(messages) - 1 and m.role != "user"):
             roles = ", ".join(m.role for m in messages) or "none"
-            raise bad_request(f"turns alternate user, assistant, ..., user, the media in the first (got: {roles}); "
-                              "system prompts are not served: the prompt is the media and the questions, as "
-                              "`hybridkv ask` builds it", "messages")
+            raise bad_request(f"after an optional system message, turns alternate user, assistant, ..., user, the "
+                              f"media in the first (got: {roles})", "messages")
     if not messages:
         raise bad_request("give a user message", "messages")
+    where = lambda i: f"messages[{first + i}].content"  # noqa: E731
     parts = [_parts(m) for m in messages]
     media = tuple(("image", p.image_url.url) if isinstance(p, ImagePart) else ("video", p.video_url.url)
                   for p in parts[0] if not isinstance(p, TextPart))
     if any(kind == "video" for kind, _ in media) and len(media) > 1:
         raise bad_request("one video per request, and nothing else beside it (a video cannot be combined with other "
-                          "media)", "messages[0].content")
+                          "media)", where(0))
     if len(media) > settings.max_media_parts:
-        raise bad_request(f"{len(media)} media parts; at most {settings.max_media_parts}", "messages[0].content")
+        raise bad_request(f"{len(media)} media parts; at most {settings.max_media_parts}", where(0))
     for i, later in enumerate(parts[1:], 1):
         if any(not isinstance(p, TextPart) for p in later):
             raise bad_request("media only in the first user message (a conversation is about its media; ask about "
-                              "other media in a new conversation)", f"messages[{i}].content")
+                              "other media in a new conversation)", where(i))
     texts = [[p.text for p in message if isinstance(p, TextPart)] for message in parts]
     context = None
     if not media:
         if len(texts[0]) < 2:
             raise bad_request("give an image_url or video_url part, or (a text-only request) the text as the first "
-                              "text part(s) and the question as the last", "messages[0].content")
+                              "text part(s) and the question as the last", where(0))
         context, texts[0] = "\n\n".join(texts[0][:-1]), texts[0][-1:]
     said = ["\n".join(t.strip() for t in message if t.strip()) for message in texts]
     for i in range(0, len(said), 2):
         if not said[i]:
-            raise bad_request("the question (the message's text) is empty", f"messages[{i}].content")
+            raise bad_request("the question (the message's text) is empty", where(i))
     history = tuple(zip(said[0:-1:2], said[1:-1:2]))
     return said[-1], context, media, history
 

@@ -36,6 +36,7 @@ from hybridkv_cli.compression.cache import policy_attention
 from hybridkv_cli.engine import Job, Limits, decode
 from hybridkv_cli.engine.admission import Admission
 from hybridkv_cli.io.errors import HybridKVError, UsageError
+from hybridkv_cli.models.prompt import checked_system
 from hybridkv_cli.runs.guards import failure
 from hybridkv_cli.runs.requests import Request
 from hybridkv_cli.runs.session import Session
@@ -120,11 +121,15 @@ class Worker:
             raise bad_request(f"max_tokens {chat.max_tokens} does not fit the model's context of {limit} tokens",
                               "max_tokens", "context_length_exceeded")
         policy = self.policy(chat.method, chat.budget)
+        try:
+            checked_system(self.session.model().tokenizer, chat.system)
+        except UsageError as e:
+            raise bad_request(e.reason, "messages[0].content") from None
         o = self.session.options
         options = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
         key = prefix_key(o.model, policy.name, options, {"frames": o.frames, "fps": o.fps, "max_pixels": o.max_pixels,
                                                          "dtype": o.dtype, "device": o.device},
-                         [(r.kind, r.digest) for r in refs], chat.context)
+                         [(r.kind, r.digest) for r in refs], chat.context, chat.system)
         return Ticket(chat, refs, policy, key, loop)
 
     def submit(self, ticket: Ticket) -> None:
@@ -269,7 +274,7 @@ class Worker:
         """The request's media (or text) prefilled and compressed with its policy, as ``ask -Q`` does."""
         chat, refs = ticket.chat, ticket.refs
         if chat.context is not None:
-            return self.session.compress_media(None, context=chat.context, policy=ticket.policy)
+            return self.session.compress_media(None, context=chat.context, policy=ticket.policy, system=chat.system)
         label = refs[0].label if len(refs) == 1 else f"{refs[0].label} + {len(refs) - 1} more"
         with tempfile.TemporaryDirectory(prefix="hybridkv-serve-") as folder:  # the media loader reads files
             paths = []
@@ -285,7 +290,7 @@ class Worker:
                 raise
         # named by content, not by the temporary files (gone now)
         media = dataclasses.replace(media, origin=label, sources=tuple(Path(f"sha256-{r.digest}") for r in refs))
-        return self.session.compress_media(media, source=label, policy=ticket.policy)
+        return self.session.compress_media(media, source=label, policy=ticket.policy, system=chat.system)
 
     def _watch(self, members) -> list:
         """After a step: new text to streaming clients; the members to stop (client gone, stop string)."""
