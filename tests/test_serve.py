@@ -385,7 +385,15 @@ def test_prefixes_outlive_the_server_in_the_prefix_cache_dir(server, tmp_path):
                                                             "disk_refused_total": 1}
     assert intact(kept)
     run(QUESTIONS[0], prefix_cache_dir_bytes=size // 2)  # a cap below one prefix: the folder keeps none
-    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "notes.txt"]
+    from hybridkv_cli.io.errors import UsageError
+    from hybridkv_cli.serve.prefix_store import PrefixStore
+
+    store = PrefixStore(folder, 2**20, session.model())
+    with pytest.raises(UsageError, match="in use by another hybridkv serve"):  # one server per folder
+        PrefixStore(folder, 2**20, session.model())
+    store.stop(1)
+    PrefixStore(folder, 2**20, session.model()).stop(1)
 
 
 # --- refusals: each one JSON error, and the server answers after it -----------------------------------

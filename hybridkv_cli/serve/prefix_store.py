@@ -8,11 +8,13 @@ checksum, the state against the model's geometry). A request whose prefix is not
 here before it prefills: a file is read only when it is a regular file (not a link) named by a key,
 within the folder's cap, written with the request's method and options; a file that fails a check
 is removed and the prefix made again. The folder is bounded by bytes: the least recently used
-files (by their modification time, touched on each read) go first.
+files (by their modification time, touched on each read) go first. One server uses a folder at a
+time: it holds a lock on ``.lock`` in it while it runs (another is refused at start).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import queue
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from hybridkv_cli.engine import hkv
+from hybridkv_cli.io.errors import UsageError
 
 log = logging.getLogger("hybridkv.serve")
 
@@ -44,6 +47,13 @@ class PrefixStore:
         self.reads = self.writes = self.refused = self.evictions = 0
         self._pending: queue.Queue = queue.Queue(PENDING)
         self._writer = threading.Thread(target=self._write_pending, name="hybridkv-prefix-store", daemon=True)
+        self._lock_fd = os.open(self.folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise UsageError(f"{folder} is in use by another hybridkv serve (one server per folder)",
+                             "--prefix-cache-dir") from None
         found = []
         for entry in os.scandir(self.folder):  # what an earlier run kept, oldest use first
             name = _NAME.fullmatch(entry.name)
@@ -102,10 +112,13 @@ class PrefixStore:
             log.warning("prefix cache: %d prefixes wait to be written; one is kept in memory only", PENDING)
 
     def stop(self, timeout: float) -> None:
-        """Write what waits, then stop (at most ``timeout`` seconds)."""
+        """Write what waits, then stop (at most ``timeout`` seconds) and let the folder go."""
         if self._writer.is_alive():
             self._pending.put(None)
             self._writer.join(timeout)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the lock goes with it
+            self._lock_fd = None
 
     def _write_pending(self) -> None:
         with torch.inference_mode():
