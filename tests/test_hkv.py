@@ -254,9 +254,13 @@ def test_cli_compress_resume_redoes_a_cache_of_other_settings(tmp_path, capsys):
     target = out / "a.mp4.hkv"
     for extra, done in [([], "done: 1 compressed, 0 failed"),
                         (["--resume", "--method", "snapkv"], "done: 1 compressed (1 replacing a cache of another "
-                         "model, method or options), 0 failed"),
+                         "model, method, options or system prompt), 0 failed"),
                         (["--resume", "--method", "snapkv", "--budget", "0.2"], "done: 1 compressed (1 replacing"),
                         (["--resume", "--method", "snapkv", "--budget", "0.2"], "done: 0 compressed, 0 failed, "
+                         "1 skipped (already compressed)"),
+                        (["--resume", "--method", "snapkv", "--budget", "0.2", "--system", "Be brief."],
+                         "done: 1 compressed (1 replacing"),
+                        (["--resume", "--method", "snapkv", "--budget", "0.2", "--system", "Be brief."],
                          "1 skipped (already compressed)")]:
         stamp = target.stat().st_mtime_ns if target.exists() else None
         assert cli.run([*argv, *extra]) == 0
@@ -264,6 +268,11 @@ def test_cli_compress_resume_redoes_a_cache_of_other_settings(tmp_path, capsys):
         assert (target.stat().st_mtime_ns == stamp) == ("skipped" in done)
     header = hkv.read_header(target)
     assert header["method"] == "snapkv" and header["options"]["budget"] == 0.2
+    assert header["input"]["system"] == "Be brief."  # rendered before the media: in the file
+    assert cli.run(["ask", str(target), "-Q", "What?", "--system", "Be long."]) == 2
+    assert "--system" in capsys.readouterr().err
+    assert cli.run(["ask", str(target), "-Q", "What?", "--json", "--quiet", "--max-new-tokens", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["input"]["system"] == "Be brief."
 
 
 def test_mixing_caches_and_media_is_a_usage_error(good, capsys):

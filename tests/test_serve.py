@@ -259,6 +259,21 @@ def test_a_conversation_goes_on_after_the_kept_prefix_as_the_model_reads_it_whol
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (name, r.text)
 
 
+def test_a_system_prompt_answers_as_the_cli_with_system(server, client):
+    """A request's system message is `hybridkv ask --system`'s: the same answer, and the record says it."""
+    from hybridkv_cli.runs.inputs import Item
+    from hybridkv_cli.runs.requests import Request
+    from hybridkv_cli.runs.session import AskOptions, Session
+
+    system = "You answer with one word."
+    cli = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32, system=system))
+    [answer] = cli.answer([Request(questions=(QUESTIONS[1],), item=Item((str(NEEDLE),)), shared=True)])
+    reply = client.chat.completions.create(model="demo", messages=[{"role": "system", "content": system},
+                                                                   *video_message(data_url(NEEDLE), QUESTIONS[1])])
+    assert reply.choices[0].message.content == answer.record["answer"]
+    assert answer.record["input"]["system"] == reply.model_extra["hybridkv"]["input"]["system"] == system
+
+
 def test_stop_strings_and_max_tokens(server, client):
     messages = video_message(data_url(NEEDLE), "What colour is the star?")
     r = client.chat.completions.create(model="demo", messages=messages, stop=["e"])

@@ -13,7 +13,7 @@ import typer
 from hybridkv_cli.commands.options import (ALL_OPTIONS, ASK_ARGS, ASK_MODEL, BATCH_SIZE, CONTEXT, CUDA_GRAPHS, DEBUG,
                                            DEFER, DEVICE, DTYPE, EACH, FPS, FRAMES, GPUS_PER_WORKER, JSON, JSONL,
                                            KV_MEMORY, MAX_FRAMES, MAX_PIXELS, OUTPUT, QUESTION, QUESTIONS, QUIET, RAY,
-                                           RESUME, STREAM, STREAM_CHUNK, STREAM_KV_TOKENS, STREAM_WINDOW, WORKERS,
+                                           RESUME, STREAM, STREAM_CHUNK, STREAM_KV_TOKENS, STREAM_WINDOW, SYSTEM, WORKERS,
                                            decode_limits, max_frames_arg, method_options, streaming)
 from hybridkv_cli.io.console import err, print_warning, status
 from hybridkv_cli.io.errors import UsageError
@@ -34,7 +34,7 @@ def ask(
     ray: Optional[str] = RAY, gpus_per_worker: float = GPUS_PER_WORKER, batch_size: Optional[int] = BATCH_SIZE,
     kv_memory: Optional[str] = KV_MEMORY, cuda_graphs: bool = CUDA_GRAPHS, max_frames: Optional[str] = MAX_FRAMES,
     stream: str = STREAM, stream_chunk: int = STREAM_CHUNK, stream_window: int = STREAM_WINDOW,
-    stream_kv_tokens: Optional[int] = STREAM_KV_TOKENS, options=None,
+    stream_kv_tokens: Optional[int] = STREAM_KV_TOKENS, system: Optional[str] = SYSTEM, options=None,
 ):
     from hybridkv_cli.runs.multi_run import plan_questions, resolve_cache_inputs
     from hybridkv_cli.runs.session import AskOptions, Session
@@ -57,7 +57,8 @@ def ask(
     settings = AskOptions(model=model, device=device, dtype=dtype, method=method or "hybridkv",
                           method_given=method is not None, method_options=options, frames=frames, fps=fps,
                           max_frames=max_frames_arg(max_frames, fps, max_pixels, streams), max_pixels=max_pixels,
-                          max_new_tokens=max_new_tokens, defer_question=defer_question or multi, streaming=streams)
+                          max_new_tokens=max_new_tokens, defer_question=defer_question or multi, streaming=streams,
+                          system=system)
     stages = status(quiet)
     # refuses a bad method or option before any input is read
     session = Session(settings, stage=stages, progress=stages.frames)

@@ -10,7 +10,7 @@ import typer
 
 from hybridkv_cli.commands.options import (ALL_OPTIONS, DEBUG, DEVICE, DTYPE, EACH, FPS, FRAMES, MAX_FRAMES,
                                            MAX_PIXELS, MODEL, QUIET, STREAM, STREAM_CHUNK, STREAM_KV_TOKENS,
-                                           STREAM_WINDOW, max_frames_arg, method_options, streaming)
+                                           STREAM_WINDOW, SYSTEM, max_frames_arg, method_options, streaming)
 from hybridkv_cli.io.console import err, print_warning, status
 
 
@@ -26,10 +26,10 @@ def compress(
     jsonl: bool = typer.Option(False, "--jsonl", help="One JSON line per input on stdout (its cache file and "
                                "sizes, or its error)."),
     resume: bool = typer.Option(False, "--resume", help="Skip inputs whose cache file already holds this "
-                                "cache (another model, method or options: compressed again)."),
+                                "cache (another model, method, options or --system: compressed again)."),
     max_frames: Optional[str] = MAX_FRAMES, stream: str = STREAM, stream_chunk: int = STREAM_CHUNK,
     stream_window: int = STREAM_WINDOW, stream_kv_tokens: Optional[int] = STREAM_KV_TOKENS,
-    quiet: bool = QUIET, debug: bool = DEBUG, options=None,
+    system: Optional[str] = SYSTEM, quiet: bool = QUIET, debug: bool = DEBUG, options=None,
 ):
     from hybridkv_cli.runs.inputs import plan_inputs
     from hybridkv_cli.runs.multi_run import run_compress
@@ -38,7 +38,7 @@ def compress(
     streams, stages = streaming(stream, stream_chunk, stream_window, stream_kv_tokens), status(quiet)
     session = Session(AskOptions(model=model, device=device, dtype=dtype, method=method, method_options=options,
                                  frames=frames, fps=fps, max_pixels=max_pixels, defer_question=True, streaming=streams,
-                                 max_frames=max_frames_arg(max_frames, fps, max_pixels, streams)),
+                                 max_frames=max_frames_arg(max_frames, fps, max_pixels, streams), system=system),
                       stage=stages, progress=stages.frames)
     items = plan_inputs(list(args), each=each, stdin=sys.stdin)
     if not items:

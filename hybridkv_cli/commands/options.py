@@ -93,6 +93,8 @@ OUTPUT = typer.Option(None, "--output", "-o", metavar="FILE", help="Append the J
                       "fsynced one by one).")
 ASK_MODEL = typer.Option(None, help=MODEL_HELP + " [default: Qwen/Qwen2.5-VL-7B-Instruct; .hkv inputs: the "
                          "file's model].")
+SYSTEM = typer.Option(None, "--system", metavar="TEXT", help="A system prompt, rendered before the media in "
+                      "the chat template (so compressed with it) [default: the template's own].")
 QUESTION = typer.Option(None, "--question", "-Q", metavar="TEXT", help="A question (repeat for several): the "
                         "arguments are then all media; the media is compressed once and every question answered "
                         "from that compressed cache (as --defer-question does), one record each.")

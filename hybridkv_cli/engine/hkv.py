@@ -200,14 +200,17 @@ def check_header(header: dict, loaded, source: str, method: str | None = None) -
                              "(the file's method answers) or compress again", source)
 
 
-def matches(header: dict, loaded, policy) -> bool:
+def matches(header: dict, loaded, policy, system: str | None = None) -> bool:
     """Whether a file with ``header`` holds what ``policy`` on ``loaded`` would write now (``compress
-    --resume`` keeps it): the same format and library version, model, dtype, method and options."""
+    --resume`` keeps it): the same format and library version, model, dtype, method and options,
+    and system prompt."""
     try:
         check_header(header, loaded, "", policy.name)
     except CacheFileError:
         return False
-    return header.get("options") == json.loads(json.dumps(_policy_options(policy), default=str))
+    written = header.get("input") if type(header.get("input")) is dict else {}
+    return (header.get("options") == json.loads(json.dumps(_policy_options(policy), default=str))
+            and written.get("system") == system)
 
 
 def intact(path: str | os.PathLike) -> bool:

@@ -68,6 +68,7 @@ class Prompt:
     inputs: dict
     visual: torch.Tensor  # BoolTensor [N]
     role: str = "visual"  # what the non-text tokens are: "visual" (media) or "context" (a text prompt)
+    system: str | None = None  # the system prompt it was rendered with (None: the template's default)
 
     @property
     def length(self) -> int:
@@ -174,7 +175,7 @@ def checked_system(tokenizer, system: str | None) -> str | None:
     if system is None:
         return None
     if any(token in system for token in tokenizer.get_added_vocab()):
-        raise UsageError("the system prompt contains chat-template tokens", "system")
+        raise UsageError("the system prompt contains chat-template tokens", "--system")
     return system
 
 
@@ -248,7 +249,8 @@ def build_prompt(processor, media: MediaInput, question: str, system: str | None
     if standin is not question:
         inputs = _splice(inputs, tokenizer.convert_tokens_to_ids(standin), question_ids(tokenizer, question))
     ids = inputs["input_ids"][0]
-    return Prompt(inputs=inputs, visual=torch.isin(ids, torch.tensor(families.visual_token_ids(processor))))
+    return Prompt(inputs=inputs, visual=torch.isin(ids, torch.tensor(families.visual_token_ids(processor))),
+                  system=system)
 
 
 def build_text_prompt(tokenizer, context: str, question: str, system: str | None = None) -> Prompt:
@@ -264,7 +266,7 @@ def build_text_prompt(tokenizer, context: str, question: str, system: str | None
     if not question:
         raise UsageError("the question is empty", "QUESTION")
     if system is not None and not tokenizer.chat_template:
-        raise UsageError("this model has no chat template to put a system prompt in", "system")
+        raise UsageError("this model has no chat template to put a system prompt in", "--system")
     turn = [*_system_turn(checked_system(tokenizer, system), system), {"role": "user", "content": _MARKER}]
     rendered = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
                 if tokenizer.chat_template else _MARKER)
@@ -277,7 +279,7 @@ def build_text_prompt(tokenizer, context: str, question: str, system: str | None
     visual[len(before):len(before) + len(ctx)] = True
     input_ids = torch.tensor([ids])
     return Prompt(inputs={"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}, visual=visual,
-                  role="context")
+                  role="context", system=system)
 
 
 def _splice(inputs: dict, standin_id: int, ids: list[int]) -> dict:

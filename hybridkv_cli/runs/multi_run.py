@@ -125,8 +125,8 @@ def run_compress(session, items, output: Path, *, each: bool, resume: bool, cons
                  debug: bool, jsonl=None) -> int:
     """``hybridkv compress``: write one ``.hkv`` file per input. ``resume``: an input whose file
     already holds the cache this command writes (:func:`hkv.matches`), whole and matching its
-    checksum (:func:`hkv.intact`), is skipped; one made with another model, method or options, or
-    damaged, is written again. A failed input is one error line (and a JSON line
+    checksum (:func:`hkv.intact`), is skipped; one made with another model, method, options or
+    system prompt, or damaged, is written again. A failed input is one error line (and a JSON line
     ``{"input", "error"}`` with ``jsonl``); the others go on. Returns the exit status."""
     from rich.markup import escape
 
@@ -144,7 +144,7 @@ def run_compress(session, items, output: Path, *, each: bool, resume: bool, cons
                     header = hkv.read_header(target)
                 except HybridKVError:
                     pass  # not a finished cache: write it again
-                if (header is not None and hkv.matches(header, session.model(), session.policy)
+                if (header is not None and hkv.matches(header, session.model(), session.policy, session.options.system)
                         and hkv.intact(target)):
                     summary.skipped += 1
                     continue
@@ -184,7 +184,7 @@ def run_compress(session, items, output: Path, *, each: bool, resume: bool, cons
                              "--resume to continue)"), highlight=False, soft_wrap=True)
     if not quiet and not summary.interrupted:
         skipped = f", {summary.skipped} skipped (already compressed)" if summary.skipped else ""
-        again = f" ({stale} replacing a cache of another model, method or options)" if stale else ""
+        again = f" ({stale} replacing a cache of another model, method, options or system prompt)" if stale else ""
         console.print(f"done: {summary.ok} compressed{again}, {summary.failed} failed{skipped}", highlight=False,
                       soft_wrap=True)
     return summary.exit_code

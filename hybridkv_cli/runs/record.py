@@ -34,10 +34,12 @@ def latency_stats(step_s: list[float]) -> dict:
 
 
 def input_record(media: MediaInput | None, prompt: Prompt) -> dict:
-    """What was asked about: the media and their token count, or the text context's."""
+    """What was asked about: the media and their token count, or the text context's (and the
+    system prompt, when one was given)."""
+    system = {} if prompt.system is None else {"system": prompt.system}
     if media is None:
         return {"kind": "text", "label": "text", "files": [], "context_tokens": prompt.visual_tokens,
-                "text_tokens": prompt.text_tokens}
+                "text_tokens": prompt.text_tokens, **system}
     record = {
         "kind": media.kind,
         "label": media.label,
@@ -50,7 +52,7 @@ def input_record(media: MediaInput | None, prompt: Prompt) -> dict:
     }
     if media.rotation:  # only when the frames were turned upright
         record["rotation"] = media.rotation
-    return record
+    return {**record, **system}
 
 
 def measurements(loaded: LoadedModel, policy: Policy, run: Generation) -> dict:

@@ -54,6 +54,7 @@ class AskOptions:
     defer_question: bool = False  # compress before the question is read (its tokens then decode as a suffix)
     method_given: bool = True  # --method was given (a .hkv input with another method is refused)
     streaming: Streaming = Streaming()  # when and how a long prompt is prefilled in chunks
+    system: str | None = None  # the system prompt every prompt is rendered with (None: the template's default)
 
 
 #: ``--max-frames all`` without ``--fps``: every frame of the video.
@@ -130,6 +131,7 @@ class Session:
         after a ``system`` prompt if given, and check that it fits the model's context with the
         tokens to generate."""
         loaded = self.model()
+        system = self.options.system if system is None else system
         if media is None:
             source = source or "--context"
             prompt = build_text_prompt(loaded.tokenizer, context or "", question, system)
@@ -171,6 +173,9 @@ class Session:
             raise item.error
         if item.paths and len(item.paths) == 1 and hkv.is_cache_path(item.paths[0]):
             prefix = self.load_cache(item.paths[0])
+            if self.options.system is not None and self.options.system != prefix.info.get("system"):
+                raise UsageError(f"{item.paths[0]} was compressed with another system prompt (it is in the file); "
+                                 "drop --system or compress again", "--system")
             prefix.info = {**prefix.info, "media_label": prefix.info.get("label"), "label": item.key,
                            "cache_file": item.paths[0]}
             return prefix

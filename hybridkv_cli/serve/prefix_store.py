@@ -73,8 +73,9 @@ class PrefixStore:
         return self.folder / f"{key}{hkv.SUFFIX}"
 
     # --- reads (the prefill thread) -------------------------------------------------------------
-    def load(self, key: str, policy):
-        """The prefix kept under ``key`` for ``policy``, or None (not kept, or refused and removed)."""
+    def load(self, key: str, policy, system: str | None = None):
+        """The prefix kept under ``key`` for ``policy`` and ``system`` prompt, or None (not kept, or
+        refused and removed)."""
         with self._lock:
             if key not in self._sizes:
                 return None
@@ -83,8 +84,9 @@ class PrefixStore:
             info = os.lstat(path)
             if not stat.S_ISREG(info.st_mode) or info.st_size > self.capacity:
                 raise hkv.CacheFileError("not a regular file within --prefix-cache-dir-bytes", str(path))
-            if not hkv.matches(hkv.read_header(path), self.loaded, policy):
-                raise hkv.CacheFileError("written by another version, model, dtype, method or options", str(path))
+            if not hkv.matches(hkv.read_header(path), self.loaded, policy, system):
+                raise hkv.CacheFileError("written by another version, model, dtype, method, options or system "
+                                         "prompt", str(path))
             prefix = hkv.load(path, self.loaded)
             os.utime(path)  # its use, for the next start's order
         except (hkv.CacheFileError, OSError) as e:

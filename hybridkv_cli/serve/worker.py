@@ -240,7 +240,7 @@ class Worker:
                     continue
                 ticket.prefix = self.cache.get(ticket.key, count=False)
                 if ticket.prefix is None and self.store is not None:
-                    ticket.prefix = self.store.load(ticket.key, ticket.policy)
+                    ticket.prefix = self.store.load(ticket.key, ticket.policy, ticket.chat.system)
                     ticket.from_disk = ticket.prefix is not None
                     if ticket.from_disk:
                         self.cache.put(ticket.key, ticket.prefix)
