@@ -22,7 +22,7 @@ from hybridkv_cli.io.console import err, one_line_warnings, print_error, quiet_l
 from hybridkv_cli.io.errors import HybridKVError, one_line
 from hybridkv_cli.io.signals import describe, exit_code, leave, signal_of, stop_on_signals
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Answer questions about videos and image sets with Qwen2.5-VL under a KV-cache budget.")
 
 
