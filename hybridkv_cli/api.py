@@ -24,6 +24,7 @@ def ask(
     max_new_tokens: int = 128,
     defer_question: bool = False,
     streaming: Streaming = Streaming(),
+    system: str | None = None,
     **options,
 ) -> dict:
     """Answer ``question`` about ``media``, or about the text ``context`` when ``media`` is None,
@@ -43,6 +44,9 @@ def ask(
     streaming : Streaming
         When and how a long prompt is prefilled in chunks (:mod:`hybridkv_cli.engine.stream`;
         default: a prompt longer than 16k tokens).
+    system : str or None
+        A system prompt, rendered before the media (``hybridkv ask --system``); None: the chat
+        template's own.
     **options
         The method's parameters (``budget``, ``window``, ``theta``, ...); one the method does not
         take raises :class:`~hybridkv_cli.io.errors.UsageError`.
@@ -55,4 +59,5 @@ def ask(
     policy = method if isinstance(method, Policy) else make_policy(method, **options)
     session = Session(AskOptions(model=loaded.name, max_new_tokens=max_new_tokens, defer_question=defer_question,
                                  streaming=streaming), loaded=loaded)
-    return session.ask(Request(prepared=session.prepare(media, question, context=context), policy=policy))
+    return session.ask(Request(prepared=session.prepare(media, question, context=context, system=system),
+                               policy=policy))

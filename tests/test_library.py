@@ -167,6 +167,10 @@ def test_report_has_the_cli_record_fields_and_numbers(demo, tmp_path):
     assert report["decode"].keys() == record["decode"].keys()
     assert report["decode"]["tokens"] == record["decode"]["tokens"]
     assert report["input"] == {"visual_tokens": prompt.visual_tokens, "text_tokens": prompt.text_tokens}
+    brief = ask(demo, media, QUESTION, budget=0.1, max_new_tokens=NEW_TOKENS, system="Be brief.")  # as --system
+    with_system = build_prompt(demo.processor, media, QUESTION, "Be brief.")
+    assert brief["input"]["system"] == "Be brief." and "system" not in record["input"]
+    assert brief["input"]["text_tokens"] == with_system.text_tokens != prompt.text_tokens
 
 
 def _attention(model) -> dict:
