@@ -660,7 +660,8 @@ def test_the_command_starts_fast_and_answers(tmp_path):
     assert bad.returncode == 2 and "--prefix-cache-dir" in bad.stderr and "Traceback" not in bad.stderr
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo", "--port",
-                             str(port), "--quiet"], stderr=subprocess.PIPE, text=True, env=env)
+                             str(port), "--quiet", "--served-model-name", "video-qa"], stderr=subprocess.PIPE, text=True,
+                            env=env)
     try:
         while time.perf_counter() - started < 30:
             try:
@@ -670,8 +671,10 @@ def test_the_command_starts_fast_and_answers(tmp_path):
                 time.sleep(0.1)
         ready = time.perf_counter() - started
         assert ready < 20, ready  # 5-7 s alone (docs/serve.md); room for a suite running beside it
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=_good(data_url(NEEDLE)), timeout=60)
-        assert r.json()["choices"][0]["message"]["content"] == "red"
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        r = httpx.post(url, json={**_good(data_url(NEEDLE)), "model": "video-qa"}, timeout=60)  # the served name
+        assert r.json()["choices"][0]["message"]["content"] == "red" and r.json()["model"] == "video-qa"
+        assert httpx.post(url, json=_good(data_url(NEEDLE)), timeout=60).status_code == 404  # not the path's
     finally:
         proc.terminate()
         assert proc.wait(15) == 0, proc.stderr.read()

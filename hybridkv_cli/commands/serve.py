@@ -29,6 +29,8 @@ SERVE_HELP = (
 def serve(
     model: str = typer.Option("Qwen/Qwen2.5-VL-7B-Instruct", help="Hub id, local directory, 'demo', 'smollm2', ... "
                               "(as for ask); clients name it as \"model\"."),
+    served_model_name: Optional[str] = typer.Option(None, metavar="NAME", help="The name clients pass as \"model\" "
+                                                    "(as vLLM's flag) [default: the --model given]."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (another than localhost: give --api-key)."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
     method: str = typer.Option("hybridkv", help="Compression method (see `hybridkv methods`); a request may choose "
@@ -77,10 +79,13 @@ def serve(
             raise UsageError(f"cannot make the folder ({e.strerror})", "--prefix-cache-dir") from None
         if not os.access(prefix_cache_dir, os.R_OK | os.W_OK | os.X_OK):
             raise UsageError("not a folder this process can read and write", "--prefix-cache-dir")
+    if served_model_name is not None and not served_model_name.strip():
+        raise UsageError("the name is empty", "--served-model-name")
     if api_key is not None and not api_key.strip():
         raise UsageError("the key is empty", "--api-key")
     settings = ServeSettings(
-        model_id=model, allowed_media_dir=allowed_media_dir, api_key=api_key,
+        model_id=model if served_model_name is None else served_model_name, allowed_media_dir=allowed_media_dir,
+        api_key=api_key,
         max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"), body_timeout_s=body_timeout,
         max_media_bytes=parse_size(max_media_bytes, "--max-media-bytes"), max_messages=max_messages,
         max_batch=max_batch, queue_size=queue_size,
@@ -109,7 +114,8 @@ def serve(
     metrics = Metrics()
     app = create_app(Worker(session, settings, limits, metrics), settings, metrics)
     if not quiet:
-        err.print(f"serving {model} on http://{host}:{port}/v1 (max batch {max_batch}; Ctrl-C stops)",
+        err.print(f"serving {model} as '{settings.model_id}' on http://{host}:{port}/v1 (max batch {max_batch}; Ctrl-C "
+                  "stops)",
                   highlight=False)
     # a stop waits at most 10 s for open streams before closing them
     uvicorn.run(app, host=host, port=port, log_level="debug" if debug else "warning" if quiet else "info",

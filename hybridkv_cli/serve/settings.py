@@ -11,7 +11,7 @@ MiB = 2**20
 class ServeSettings:
     """The server's limits (``hybridkv serve`` flags; docs/serve.md)."""
 
-    model_id: str  # the name clients pass as "model" (the --model given)
+    model_id: str  # the name clients pass as "model" (--served-model-name, else the --model given)
     allowed_media_dir: str | None = None  # local media only under this directory (None: no local files)
     api_key: str | None = None  # required as "Authorization: Bearer KEY" (None: no key)
     max_body_bytes: int = 64 * MiB  # a request body beyond this: 413
