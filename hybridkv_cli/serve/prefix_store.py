@@ -47,7 +47,10 @@ class PrefixStore:
         self.reads = self.writes = self.refused = self.evictions = 0
         self._pending: queue.Queue = queue.Queue(PENDING)
         self._writer = threading.Thread(target=self._write_pending, name="hybridkv-prefix-store", daemon=True)
-        self._lock_fd = os.open(self.folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            self._lock_fd = os.open(self.folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:  # a link or no write access
+            raise UsageError(f"cannot lock {self.folder / '.lock'} ({e.strerror})", "--prefix-cache-dir") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
