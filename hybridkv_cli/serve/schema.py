@@ -216,5 +216,5 @@ def _conversation(messages: list[Message], settings: ServeSettings, first: int =
 def _parts(message: Message) -> list:
     """A message's content as parts (a string is one text part); no content is refused."""
     if message.content is None:
-        raise bad_request(f"a {message.role} message without content (tool calls are not served)", "messages")
+        raise bad_request(f"a message ({message.role}) without content (tool calls are not served)", "messages")
     return [TextPart(type="text", text=message.content)] if isinstance(message.content, str) else list(message.content)
