@@ -15,7 +15,7 @@ import torch
 from hybridkv_cli.io.errors import HybridKVError, MediaError
 from hybridkv_cli.media.decoders import resize_chunk
 from hybridkv_cli.media.geometry import FRAME_FACTOR, pixel_bounds, target_size
-from hybridkv_cli.media.images import MAX_SOURCE_PIXELS, pil_image, to_rgb
+from hybridkv_cli.media.images import pil_image, refuse_oversized, to_rgb
 from hybridkv_cli.media.input import MediaInput
 from hybridkv_cli.media.sniff import check_file, one_line
 from hybridkv_cli.media.video import sample_indices
@@ -51,8 +51,7 @@ def load_animation(path: Path, frames: int, fps: float | None, min_pixels: int |
             lo, hi = pixel_bounds("video", max(len(indices), FRAME_FACTOR), min_pixels=min_pixels,
                                   max_pixels=max_pixels)
             width, height = im.size
-            if width * height > MAX_SOURCE_PIXELS:
-                raise MediaError(f"animation too large: {width}x{height} per frame", source=shown)
+            refuse_oversized("animation", width, height, shown)
             size = target_size(height, width, lo, hi, source=shown)
             picked = {}
             for i in sorted(set(indices)):

@@ -21,6 +21,16 @@ MAX_SOURCE_PIXELS = 100_000_000
 _PIL_OPEN_LOCK = threading.Lock()
 
 
+def refuse_oversized(what: str, width: int, height: int, shown: str, decoded: int | None = None) -> None:
+    """Refuse a ``width`` x ``height`` source of more than :data:`MAX_SOURCE_PIXELS` (``decoded``:
+    the pixels it would decode at, when less) before it is decoded: a small file of huge frames
+    (an image or "video bomb") would take gigabytes and minutes before it is resized."""
+    if (width * height if decoded is None else decoded) > MAX_SOURCE_PIXELS:
+        each = "" if what == "image" else " a frame"
+        raise MediaError(f"{what} too large: {width}x{height} = {width * height / 1e6:.0f} megapixels{each} "
+                         f"(limit {MAX_SOURCE_PIXELS / 1e6:.0f} MP); downscale it first", source=shown)
+
+
 @contextmanager
 def pil_image(path: Path) -> Iterator[Image.Image]:
     """Image.open without Pillow's decompression-bomb refusal (we check sizes ourselves,
@@ -95,9 +105,7 @@ def load_image(path: Path, min_pixels: int | None, max_pixels: int | None, *, in
                 dw, dh = (th, tw) if orientation in (5, 6, 7, 8) else (tw, th)
                 im.draft(None, (dw, dh))
             dw, dh = im.size
-            if dw * dh > MAX_SOURCE_PIXELS:
-                raise MediaError(f"image too large: {width}x{height} = {width * height / 1e6:.0f} megapixels "
-                                 f"(limit {MAX_SOURCE_PIXELS / 1e6:.0f} MP); downscale it first", source=shown)
+            refuse_oversized("image", width, height, shown, decoded=dw * dh)
             if in_set and getattr(im, "is_animated", False):
                 warnings.warn(f"{shown}: an animated {fmt} in an image set: only its first frame is used (give it "
                               "alone, or use --each, to read its frames as a video)", MediaWarning, stacklevel=3)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from hybridkv_cli.io.errors import HybridKVError, MediaError
-from hybridkv_cli.media import images
+from hybridkv_cli.media.images import refuse_oversized
 from hybridkv_cli.media.sniff import one_line, sniff
 
 
@@ -21,14 +21,6 @@ class Probe(NamedTuple):
     duration: float | None  # seconds
     rotation: int  # degrees counter-clockwise to apply for display (multiple of 90)
     codec: str
-
-
-def too_large(width: int, height: int, shown: str) -> None:
-    """Refuse frames over the images' pixel limit: a small file of huge frames (a video bomb)
-    would take gigabytes and minutes to decode before it is resized."""
-    if width * height > images.MAX_SOURCE_PIXELS:
-        raise MediaError(f"video too large: {width}x{height} = {width * height / 1e6:.0f} megapixels a frame "
-                         f"(limit {images.MAX_SOURCE_PIXELS / 1e6:.0f} MP); downscale it first", source=shown)
 
 
 def av_error_reason(e: BaseException) -> str:
@@ -81,7 +73,7 @@ def probe_video(path: Path, shown: str, head: bytes) -> Probe:
         if duration is not None and not (math.isfinite(duration) and duration > 0):
             duration = None
         rotation = 0
-        too_large(width, height, shown)  # before a frame of it is decoded
+        refuse_oversized("video", width, height, shown)  # from the header, before a frame is decoded
         try:  # the display matrix only shows on decoded frames in PyAV; one frame is cheap
             stream.thread_type = "AUTO"
             for frame in container.decode(stream):
@@ -92,7 +84,7 @@ def probe_video(path: Path, shown: str, head: bytes) -> Probe:
             pass  # the decoders report it
         if width <= 0 or height <= 0:
             raise MediaError("video stream has no frame size (corrupt header?)", source=shown)
-        too_large(width, height, shown)
+        refuse_oversized("video", width, height, shown)  # a header without the size: its first frame's
         return Probe(width, height, int(stream.frames or 0), fps, duration, rotation, cc.name or "?")
     except HybridKVError:
         raise
