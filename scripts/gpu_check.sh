@@ -95,7 +95,7 @@ step indexes 150 60 sh -c "python benchmarks/decode.py --device cuda --dtype bfl
     hybridkv:landmark=labels hybridkv:stickiness=1 hybridkv:swaps=16 --out '$OUT_DIR/indexes.json' | grep '^{' > '$OUT_DIR/indexes.jsonl'"
 
 # --- the kernels, compiled for this GPU
-step kernel_tests 120 40 python -m pytest -q -x -p no:cacheprovider tests/test_kernel_triton.py tests/test_merge_splits.py tests/test_host_memory.py \
+step kernel_tests 120 40 python -m pytest -q -x -p no:cacheprovider tests/test_kernel_triton.py tests/test_merge_splits.py tests/test_host_memory.py tests/test_prefix_park.py \
     --junitxml="$OUT_DIR/kernel_tests.xml"
 
 # --- one 32k prompt: every method against stock SDPA (rows stream to decode.jsonl as they finish)

@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -361,6 +362,29 @@ def test_concurrent_requests_for_new_media_prefill_it_once_beside_the_decoding(s
     assert [r.choices[0].message.content for r in replies] == [answers[i % 3] for i in range(6)]
 
 
+def test_prefixes_beyond_the_devices_share_wait_in_host_memory_and_answer_the_same(server):
+    """--prefix-cache-device-bytes: a prefix beyond the device's share is parked in host memory,
+    and the next question about its video copies it back (no prefill) and gets the CLI's answer."""
+    from hybridkv_cli.runs.session import AskOptions, Session
+    from hybridkv_cli.serve.settings import ServeSettings
+
+    _, expected = server
+    session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
+    settings = ServeSettings(model_id="demo", prefix_cache_device_bytes=1)  # no prefix stays on the device
+    with serving(session, settings) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        infos = []
+        for question in QUESTIONS[:3]:
+            reply = client.chat.completions.create(model="demo", messages=video_message(data_url(NEEDLE), question))
+            assert reply.choices[0].message.content == expected[(NEEDLE.name, question)]
+            infos.append(reply.model_extra["hybridkv"])
+        counts = {name: metric(base, f"hybridkv_prefix_cache_{name}", None)
+                  for name in ("misses_total", "host_hits_total", "parks_total", "device_bytes", "entries")}
+    assert [(i["prefix_cache_hit"], i["prefix_cache_tier"]) for i in infos] == [(False, None), (True, "host"),
+                                                                               (True, "host")]
+    assert counts == {"misses_total": 1, "host_hits_total": 2, "parks_total": 3, "device_bytes": 0, "entries": 1}
+
+
 def test_prefixes_outlive_the_server_in_the_prefix_cache_dir(server, tmp_path):
     """--prefix-cache-dir: the prefix one server made is written when it stops and read from its
     .hkv file by the next (no prefill; the CLI's answer); a file that fails its checks is removed
@@ -628,13 +652,25 @@ def test_answer_text_streams_a_prefix_of_the_final_text_and_cuts_at_stop():
     assert held.update([0, 1, 2, 3, 4]) == "" and held.stopped and held.final([0, 1, 2, 3, 4]) == "The star is"
 
 
-def test_prefix_cache_keeps_within_its_bytes_least_recently_used_first():
-    from types import SimpleNamespace
+@dataclass
+class KeptStub:
+    """A prefix as the cache sees it: its bytes, and whether it is parked."""
+    device_bytes: int
+    host_bytes: int
+    parked: bool = False
 
+    def park(self):
+        return KeptStub(self.device_bytes, self.host_bytes, True)
+
+    def unpark(self):
+        return KeptStub(self.device_bytes, self.host_bytes, False)
+
+
+def test_prefix_cache_keeps_within_its_bytes_least_recently_used_first():
     from hybridkv_cli.serve.prefix_cache import PrefixCache, prefix_key
 
     cache = PrefixCache(capacity=100)
-    p = lambda n: SimpleNamespace(device_bytes=n, host_bytes=n)
+    p = lambda n: KeptStub(n, n)
     assert cache.put("a", p(20)) and cache.put("b", p(20)) and cache.get("a") is not None
     assert cache.put("c", p(20))  # 120 > 100: "b", the least recently used, goes
     assert cache.get("b") is None and cache.get("a") is not None and cache.bytes == 80 and cache.device_bytes == 40
@@ -645,6 +681,22 @@ def test_prefix_cache_keeps_within_its_bytes_least_recently_used_first():
     assert key() == key() and len({key(), key(options={"budget": 0.2}), key(media_digests=[("video", "cd")]),
                                    key(model="other"), key(sampling={"frames": 32}), key(system="be brief"),
                                    key(context="text")}) == 7
+
+
+def test_prefix_cache_parks_beyond_the_devices_share_and_copies_back_on_a_hit():
+    from hybridkv_cli.serve.prefix_cache import PrefixCache
+
+    cache = PrefixCache(capacity=1000, device_capacity=25)
+    for key in "abc":
+        assert cache.put(key, KeptStub(10, 90))
+    # 30 device bytes > 25: "a", the least recently used, went to host memory; all are still kept
+    assert [cache.get(k, count=False).parked for k in "bca"] == [False, False, True]
+    assert cache.device_bytes == 20 and cache.bytes == 300 and cache.parks == 1 and len(cache) == 3
+    back = cache.unparked("a", cache.get("a"))  # a hit on it: copied back, and "b" (now the oldest) parked
+    assert not back.parked and cache.get("a", count=False) is back and cache.get("b", count=False).parked
+    assert cache.device_bytes == 20 and cache.unparks == 1 and cache.parks == 2
+    cache.put("d", KeptStub(10, 700))  # over 1000 bytes: the least recently used ("c": b was just read) evicted
+    assert cache.get("c") is None and cache.evictions == 1 and cache.bytes == 910 and cache.device_bytes == 20
 
 
 @pytest.mark.slow

@@ -49,6 +49,9 @@ def serve(
                                           "KEY' (also from $HYBRIDKV_API_KEY)."),
     prefix_cache_bytes: str = typer.Option("1GiB", metavar="SIZE", help="Compressed prefixes kept (device + host "
                                            "bytes), least recently used evicted first."),
+    prefix_cache_device_bytes: str = typer.Option("256MiB", metavar="SIZE", help="Of those, the most on the "
+                                                  "device; beyond it the least recently used move to host memory "
+                                                  "and are copied back on their next question."),
     prefix_cache_dir: Optional[str] = typer.Option(None, metavar="DIR", help="Also write every compressed prefix "
                                                    "to DIR as a .hkv file, read back after an eviction or a restart "
                                                    "(created if missing) [default: memory only]."),
@@ -89,7 +92,9 @@ def serve(
         max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"), body_timeout_s=body_timeout,
         max_media_bytes=parse_size(max_media_bytes, "--max-media-bytes"), max_messages=max_messages,
         max_batch=max_batch, queue_size=queue_size,
-        prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes"), prefix_cache_dir=prefix_cache_dir,
+        prefix_cache_bytes=parse_size(prefix_cache_bytes, "--prefix-cache-bytes"),
+        prefix_cache_device_bytes=parse_size(prefix_cache_device_bytes, "--prefix-cache-device-bytes"),
+        prefix_cache_dir=prefix_cache_dir,
         prefix_cache_dir_bytes=parse_size(prefix_cache_dir_bytes, "--prefix-cache-dir-bytes"))
     limits = Limits(batch_size=max_batch, kv_memory=None if kv_memory is None else parse_size(kv_memory,
                                                                                               "--kv-memory"))

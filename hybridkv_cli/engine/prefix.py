@@ -13,13 +13,14 @@ plain question) hands its own cache to the one job that decodes it; a ``shared``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from hybridkv_cli.compression import Policy
 from hybridkv_cli.compression.cache import PolicyCache, layer_count, policy_attention
-from hybridkv_cli.engine.graph import clone, flatten
+from hybridkv_cli.compression.store import to_host
+from hybridkv_cli.engine.graph import clone, flatten, rebuild
 from hybridkv_cli.engine.measure import Meter, now
 from hybridkv_cli.engine.stream import Streaming, positions, stream_prefill
 from hybridkv_cli.models.prompt import Prompt, QuestionTemplate
@@ -61,6 +62,7 @@ class Prefix:
     info: dict = field(default_factory=dict)  # what a record's "input" says about the media
     role: str = "visual"  # the prefix's bulk tokens: "visual" (media) or "context" (a text prompt)
     text_deltas: torch.Tensor | None = None  # mRoPE offset of the text read after the prefix (None: rope_deltas)
+    parked: bool = False  # its device state is in host memory (:meth:`park`): decoded only after :meth:`unpark`
     _flat: tuple | None = field(default=None, repr=False)  # a shared prefix's state flattened once, to clone
 
     def rope_for_suffix(self) -> torch.Tensor | None:
@@ -101,6 +103,8 @@ class Prefix:
     def take(self, device: torch.device) -> tuple[PolicyCache, Meter]:
         """The cache a job decodes through, and the meter its generation is timed by: this
         prefix's own (unshared, once) or a fresh copy timed from now (shared)."""
+        if self.parked:
+            raise RuntimeError("a parked prefix is unparked before it is decoded")
         if not self.shared:
             if self.cache is None:
                 raise RuntimeError("an unshared prefix is decoded once")
@@ -112,6 +116,30 @@ class Prefix:
         return self.cache_of(self.policy, clone(self.state, self._flat), self.seen, self.visual, device,
                              prefill_peak_bytes=self.prefill_peak_bytes, compress_seconds=self.compress_seconds,
                              streamed=self.cache.streamed), meter
+
+    def park(self) -> Prefix:
+        """This shared prefix with its device state copied to host memory (pinned where CUDA is):
+        what a prefix cache keeps when the device's room for kept prefixes is full. The device
+        copy is freed with this object (and any copy a decoding job shares). Nothing is copied
+        where the device is the CPU."""
+        storages, info, tree = self._flat or flatten(self.state)
+        host = {key: to_host(data) if info[key]["device"] != "cpu" else data for key, data in storages.items()}
+        return replace(self, cache=self._rebuilt(host, tree), parked=True, _flat=(host, info, tree),
+                       logits=None if self.logits is None else self.logits.cpu())  # read with .to(device)
+
+    def unpark(self) -> Prefix:
+        """A parked prefix's device state copied back where it was: a prefix to decode from."""
+        host, info, tree = self._flat
+        with torch.inference_mode():
+            back = {key: data.to(info[key]["device"], non_blocking=True) if info[key]["device"] != "cpu" else data
+                    for key, data in host.items()}
+        return replace(self, cache=self._rebuilt(back, tree), parked=False, _flat=None)
+
+    def _rebuilt(self, storages: dict, tree) -> PolicyCache:
+        return self.cache_of(self.policy, rebuild(storages, tree, checked=False), self.seen, self.visual,
+                             self.cache.layers[0].device if self.cache.layers else None,
+                             prefill_peak_bytes=self.prefill_peak_bytes, compress_seconds=self.compress_seconds,
+                             streamed=self.cache.streamed)
 
 
 def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, shared: bool = False,

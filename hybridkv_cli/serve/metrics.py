@@ -71,9 +71,15 @@ class Metrics:
                      [("", cache.misses)]),
                     ("hybridkv_prefix_cache_evictions_total", "counter", "prefixes evicted for room",
                      [("", cache.evictions)]),
+                    ("hybridkv_prefix_cache_parks_total", "counter", "kept prefixes moved to host memory for the "
+                     "device's room (--prefix-cache-device-bytes)", [("", cache.parks)]),
+                    ("hybridkv_prefix_cache_host_hits_total", "counter", "requests whose prefix was copied back from "
+                     "host memory", [("", cache.unparks)]),
                     ("hybridkv_prefix_cache_entries", "gauge", "compressed prefixes kept", [("", len(cache))]),
                     ("hybridkv_prefix_cache_bytes", "gauge", "device + host bytes of the kept prefixes",
                      [("", cache.bytes)]),
+                    ("hybridkv_prefix_cache_device_bytes", "gauge", "device bytes of the kept prefixes",
+                     [("", cache.device_bytes)]),
                     *([] if store is None else [
                         ("hybridkv_prefix_cache_disk_hits_total", "counter", "requests whose prefix was read from "
                          "--prefix-cache-dir", [("", store.reads)]),

@@ -23,5 +23,6 @@ class ServeSettings:
     max_batch: int = 16  # requests decoded together
     queue_size: int = 64  # requests waiting for the worker; beyond: 503 with Retry-After
     prefix_cache_bytes: int = 1024 * MiB  # compressed prefixes kept (device + host bytes)
+    prefix_cache_device_bytes: int = 256 * MiB  # of those, on the device (beyond: parked in host memory)
     prefix_cache_dir: str | None = None  # and written here as .hkv files, kept across restarts (None: memory only)
     prefix_cache_dir_bytes: int = 16 * 1024 * MiB  # the files' bytes in that folder

@@ -6,8 +6,9 @@ requests are decoding it admits whatever is waiting, up to ``--max-batch`` membe
 ``--kv-memory``), and they decode together in one batch step (continuous batching); when nothing
 decodes it sleeps on the queue. A request whose compressed prefix is in the
 :class:`~.prefix_cache.PrefixCache` becomes a job at once; one whose prefix is not goes to the
-prefill thread, which decodes its media, prefills and compresses it and keeps it -- beside the
-decoding, which goes on meanwhile -- and puts the request back in the queue. One thread makes
+prefill thread, which decodes its media, prefills and compresses it and keeps it (or copies a
+parked prefix back to the device, or reads its file) -- beside the decoding, which goes on
+meanwhile -- and puts the request back in the queue. One thread makes
 every prefix, so requests for the same uncached media prefill it once: the second finds it made.
 A request's question is then its job's suffix, read through a copy of that prefix -- exactly what
 ``hybridkv ask MEDIA -Q QUESTION`` does, so the answers are the same. (The two threads share the
@@ -65,7 +66,7 @@ class Ticket:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # the client went away: dropped at the next step
     cache_hit: bool | None = None
-    from_disk: bool = False  # its prefix was read from --prefix-cache-dir
+    tier: str = "memory"  # where a hit found its prefix: ready ("memory"), parked ("host"), a file ("disk")
     prefix: object = None  # its compressed prefix, once the prefill thread made it (or found it made)
     failure: BaseException | None = None  # why its prefix could not be made
     text: AnswerText | None = None
@@ -82,7 +83,7 @@ class Worker:
 
     def __init__(self, session: Session, settings: ServeSettings, limits: Limits, metrics: Metrics):
         self.session, self.settings, self.limits, self.metrics = session, settings, limits, metrics
-        self.cache = PrefixCache(settings.prefix_cache_bytes)
+        self.cache = PrefixCache(settings.prefix_cache_bytes, settings.prefix_cache_device_bytes)
         self.store = None if settings.prefix_cache_dir is None else PrefixStore(
             settings.prefix_cache_dir, settings.prefix_cache_dir_bytes, session.model())
         self.queue: queue.Queue = queue.Queue()  # requests for the decode loop (bounded by submit)
@@ -216,7 +217,8 @@ class Worker:
                 continue
             if ticket.prefix is None and ticket.failure is None:
                 ticket.prefix = self.cache.get(ticket.key, count=False)
-                if ticket.prefix is None:  # prefilled beside the decoding, then back in the queue
+                if ticket.prefix is None or ticket.prefix.parked:  # made or copied back beside the decoding
+                    ticket.prefix = None
                     self.misses.put(ticket)
                     continue
                 self.cache.count(hit=True)
@@ -239,10 +241,12 @@ class Worker:
                     self.metrics.cancel()
                     continue
                 ticket.prefix = self.cache.get(ticket.key, count=False)
+                if ticket.prefix is not None and ticket.prefix.parked:
+                    ticket.prefix, ticket.tier = self.cache.unparked(ticket.key, ticket.prefix), "host"
                 if ticket.prefix is None and self.store is not None:
                     ticket.prefix = self.store.load(ticket.key, ticket.policy, ticket.chat.system)
-                    ticket.from_disk = ticket.prefix is not None
-                    if ticket.from_disk:
+                    if ticket.prefix is not None:
+                        ticket.tier = "disk"
                         self.cache.put(ticket.key, ticket.prefix)
                 ticket.cache_hit, made = ticket.prefix is not None, False
                 self.cache.count(hit=ticket.cache_hit)
@@ -339,7 +343,7 @@ class Worker:
         info["batch"] = {k: batch[k] for k in ("joined_step", "size_max", "size_mean", "kv_device_bytes_peak",
                                                 "kv_memory")} if batch else None
         info["prefix_cache_hit"] = ticket.cache_hit
-        info["prefix_cache_tier"] = ("disk" if ticket.from_disk else "memory") if ticket.cache_hit else None
+        info["prefix_cache_tier"] = ticket.tier if ticket.cache_hit else None
         info["prefix_prefill_s"] = None if ticket.cache_hit else prefix.prefill_s
         ticket.send("done", {"text": ticket.text.sent, "delta": delta, "finish_reason": reason,
                              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(run.tokens),
