@@ -7,6 +7,7 @@ the same prompt building, context check, generation and record as ``hybridkv ask
 from __future__ import annotations
 
 from hybridkv_cli.compression import Policy, make_policy
+from hybridkv_cli.engine.sampling import GREEDY, Sampling
 from hybridkv_cli.engine.stream import Streaming
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.models.loaded import LoadedModel
@@ -25,6 +26,7 @@ def ask(
     defer_question: bool = False,
     streaming: Streaming = Streaming(),
     system: str | None = None,
+    sampling: Sampling = GREEDY,
     **options,
 ) -> dict:
     """Answer ``question`` about ``media``, or about the text ``context`` when ``media`` is None,
@@ -47,6 +49,9 @@ def ask(
     system : str or None
         A system prompt, rendered before the media (``hybridkv ask --system``); None: the chat
         template's own.
+    sampling : Sampling
+        How answer tokens are chosen (:class:`~hybridkv_cli.engine.sampling.Sampling`:
+        temperature, top-p, seed); default greedy.
     **options
         The method's parameters (``budget``, ``window``, ``theta``, ...); one the method does not
         take raises :class:`~hybridkv_cli.io.errors.UsageError`.
@@ -58,6 +63,6 @@ def ask(
     """
     policy = method if isinstance(method, Policy) else make_policy(method, **options)
     session = Session(AskOptions(model=loaded.name, max_new_tokens=max_new_tokens, defer_question=defer_question,
-                                 streaming=streaming), loaded=loaded)
+                                 streaming=streaming, sampling=sampling), loaded=loaded)
     return session.ask(Request(prepared=session.prepare(media, question, context=context, system=system),
                                policy=policy))

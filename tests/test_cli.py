@@ -127,12 +127,36 @@ def clip(tmp_path_factory):
      "error: --refresh: refresh must be one of none, rcr, periodic, got 'often'"),
     (["{clip}", "q", "--method", "sparsemm", "--head-scores", "/nope.json"],
      "error: /nope.json: no such file or directory"),
+    (["{clip}", "q", "--temperature", "2.5"], "error: --temperature: temperature must be between 0 and 2"),
+    (["{clip}", "q", "--temperature", "nan"], "error: --temperature: temperature must be between 0 and 2"),
+    (["{clip}", "q", "--temperature", "1", "--top-p", "0"], "error: --top-p: top_p must be above 0 and at most 1"),
+    (["{clip}", "q", "--temperature", "1", "--seed", str(2**64)], "error: --seed: the seed must be a 64-bit integer"),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, reason, clip, capsys):
     code = cli.run(["ask", *[a.format(clip=clip) for a in argv], "--model", "demo"])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.startswith(reason) and err.count("\n") == 1, err
+
+
+def test_a_seed_draws_a_sampled_answer_again_as_the_library_does(clip, capsys):
+    from hybridkv_cli.api import ask
+    from hybridkv_cli.engine.sampling import Sampling
+    from hybridkv_cli.media import load_media
+    from hybridkv_cli.models.registry import load_model, max_pixels_for
+
+    argv = ["ask", str(clip), "What happens?", "--model", "demo", "--max-new-tokens", "6", "--temperature", "1.8",
+            "--json"]
+    assert cli.run(argv) == 0
+    drawn = json.loads(capsys.readouterr().out)
+    check_schema({k: v for k, v in drawn.items() if k != "sampling"})
+    assert drawn["sampling"]["temperature"] == 1.8 and drawn["sampling"]["top_p"] == 1.0  # and a fresh seed
+    assert cli.run([*argv, "--seed", str(drawn["sampling"]["seed"])]) == 0
+    assert json.loads(capsys.readouterr().out)["answer"] == drawn["answer"]
+    media = load_media([clip], frames=64, max_pixels=max_pixels_for("demo", None))  # as the command loads it
+    record = ask(load_model("demo"), media, "What happens?", max_new_tokens=6,
+                 sampling=Sampling(1.8, 1.0, drawn["sampling"]["seed"]))
+    assert record["answer"] == drawn["answer"] and record["sampling"] == drawn["sampling"]
 
 
 def test_runtime_errors_exit_1_with_one_line(tmp_path, capsys):

@@ -275,6 +275,36 @@ def test_a_system_prompt_answers_as_the_cli_with_system(server, client):
     assert answer.record["input"]["system"] == reply.model_extra["hybridkv"]["input"]["system"] == system
 
 
+def test_a_sampled_answer_is_drawn_again_by_its_seed_and_equals_the_librarys(server, client):
+    """temperature > 0 samples: the response names its seed (a fresh one when the request gives
+    none); the same seed draws the same answer, streamed or not, and the library's answer with it."""
+    from hybridkv_cli.engine.sampling import Sampling
+    from hybridkv_cli.runs.inputs import Item
+    from hybridkv_cli.runs.requests import Request
+
+    _, expected = server
+    question = QUESTIONS[0]
+    ask = lambda **kw: client.chat.completions.create(model="demo", messages=video_message("needle.mp4", question),
+                                                      temperature=1.5, top_p=0.9, **kw)
+    first = ask()
+    drawn = first.model_extra["hybridkv"]["sampling"]
+    assert drawn["temperature"] == 1.5 and drawn["top_p"] == 0.9 and isinstance(drawn["seed"], int)
+    again = ask(seed=drawn["seed"])
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert stream_answer(client, video_message("needle.mp4", question), temperature=1.5, top_p=0.9,
+                         seed=drawn["seed"])[0] == first.choices[0].message.content
+    [library] = expected["session"].answer([Request(questions=(question,), item=Item((str(NEEDLE),)), shared=True,
+                                                    sampling=Sampling(1.5, 0.9, drawn["seed"]))])
+    assert library.record["answer"] == first.choices[0].message.content and library.record["sampling"] == drawn
+    hot = lambda seed: client.chat.completions.create(model="demo", messages=video_message("needle.mp4", question),
+                                                      temperature=2.0, seed=seed).choices[0].message.content
+    assert len({hot(seed) for seed in range(8)}) > 1  # the seeds draw different answers
+    greedy = client.chat.completions.create(model="demo", messages=video_message("needle.mp4", question),
+                                            temperature=0, seed=5)
+    assert greedy.choices[0].message.content == expected[(NEEDLE.name, question)]
+    assert greedy.model_extra["hybridkv"]["sampling"] is None
+
+
 def test_stop_strings_and_max_tokens(server, client):
     messages = video_message(data_url(NEEDLE), "What colour is the star?")
     r = client.chat.completions.create(model="demo", messages=messages, stop=["e"])
@@ -469,7 +499,10 @@ REFUSALS = {
     "10k messages": (lambda: {"model": "demo", "messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, None),
     "max_tokens over the context": (lambda: _good(max_tokens=40_000), 400, "context_length_exceeded"),
     "max_tokens beside the prompt": (lambda: _good(max_tokens=32_700), 400, "context_length_exceeded"),
-    "sampling": (lambda: _good(temperature=0.8), 400, "unsupported_value"),
+    "several choices": (lambda: _good(n=2), 400, "unsupported_value"),
+    "a penalty": (lambda: _good(frequency_penalty=0.5), 400, "unsupported_value"),
+    "temperature above 2": (lambda: _good(temperature=2.5), 400, None),
+    "top_p of 0": (lambda: _good(temperature=1, top_p=0), 400, None),
     "bad budget": (lambda: _good(hybridkv={"method": "snapkv", "budget": 1.5}), 400, None),
     "unknown method": (lambda: _good(hybridkv={"method": "os.system"}), 400, None),
     "another model": (lambda: {**_good(), "model": "gpt-4"}, 404, "model_not_found"),

@@ -95,6 +95,12 @@ ASK_MODEL = typer.Option(None, help=MODEL_HELP + " [default: Qwen/Qwen2.5-VL-7B-
                          "file's model].")
 SYSTEM = typer.Option(None, "--system", metavar="TEXT", help="A system prompt, rendered before the media in "
                       "the chat template (so compressed with it) [default: the template's own].")
+TEMPERATURE = typer.Option(0.0, metavar="T", help="Sample each answer token at this temperature (0 to 2; with "
+                           "--top-p and --seed, the same tokens alone or in a batch) [default: 0: greedy].")
+TOP_P = typer.Option(1.0, "--top-p", metavar="P", help="With --temperature: draw from the smallest set of tokens "
+                     "whose probability reaches P.")
+SEED = typer.Option(None, metavar="N", help="With --temperature: the seed of the draws (the record's "
+                    "sampling.seed draws an answer again) [default: a fresh one per run].")
 QUESTION = typer.Option(None, "--question", "-Q", metavar="TEXT", help="A question (repeat for several): the "
                         "arguments are then all media; the media is compressed once and every question answered "
                         "from that compressed cache (as --defer-question does), one record each.")
@@ -242,6 +248,24 @@ def streaming(mode: str, chunk: int, window: int, kv_tokens: int | None = None):
     from hybridkv_cli.engine.stream import Streaming
 
     return Streaming(mode, chunk, window, kv_tokens)
+
+
+def sampling(temperature: float, top_p: float, seed: int | None):
+    """The sampling options (None: greedy; a usage error names a bad one)."""
+    import secrets
+
+    from hybridkv_cli.engine.sampling import Sampling
+
+    for flag, value in (("--temperature", temperature), ("--top-p", top_p)):
+        try:
+            Sampling(**{flag.lstrip("-").replace("-", "_"): value})
+        except ValueError as e:
+            raise UsageError(str(e), flag) from None
+    if seed is not None and not -2**63 <= seed < 2**64:
+        raise UsageError("the seed must be a 64-bit integer", "--seed")
+    if temperature == 0:
+        return None
+    return Sampling(temperature, top_p, secrets.randbits(63) if seed is None else seed)
 
 
 def max_frames_arg(value: str | None, fps: float | None, max_pixels: int | None, stream) -> int | str | None:

@@ -11,7 +11,8 @@ suffixes in the same pass, side by side
 next token through the model at once (``[B, 1]`` ids, each at its own position); each layer's
 attention reads all the members' stores in one launch
 (:class:`~hybridkv_cli.compression.batch_cache.BatchCache`). The tokens are the model's own
-logits processors' and greedy choice. A member that finishes (the model's end of sequence, or
+logits processors' and, per member, the greedy choice or a seeded draw
+(:mod:`~hybridkv_cli.engine.sampling`: the same tokens alone or in any batch). A member that finishes (the model's end of sequence, or
 ``max_new_tokens``) leaves at once and its store goes with it.
 
 A batch of one is a plain question; the tokens do not depend on the batch (tested for every
@@ -32,6 +33,7 @@ from hybridkv_cli.compression.store import GEN_BLOCK
 from hybridkv_cli.engine.measure import Generation, Meter, now
 from hybridkv_cli.engine.prefix import rope_owner
 from hybridkv_cli.engine.replay import StepReplay
+from hybridkv_cli.engine.sampling import GREEDY, BatchSampling
 
 
 @dataclass(eq=False)  # members are told apart by identity
@@ -73,6 +75,7 @@ class Decoder:
         self.rows = 4 if rope_owner(model) is not None else 1  # mRoPE: the text position, then 3 rotary ones
         self.feed = torch.empty(0, 1, dtype=torch.long, device=self.device)  # [B, 1] next tokens
         self.position = torch.empty(self.rows, 0, 1, dtype=torch.long, device=self.device)  # [R, B, 1]
+        self.sampling = BatchSampling(self.device)  # each member's temperature, top-p, seed and draws
         self.logits = None  # [B, V] fp32: the step's output
         self.config, _ = model._prepare_generation_config(None, max_new_tokens=max_new_tokens, do_sample=False)
         eos = self.config.eos_token_id
@@ -133,7 +136,8 @@ class Decoder:
         """Each member's first token, from its [1, V] fp32 ``logits`` after its prompt (the
         tokens read on the host once for them all)."""
         chosen = torch.cat([m.processors(m.ids, row) if m.processors else row for m, row in zip(members, logits)])
-        for m, first in zip(members, chosen.argmax(dim=-1).tolist()):
+        draws = BatchSampling(self.device, [sampling_of(m.job) for m in members], [0] * len(members))
+        for m, first in zip(members, draws.choose(chosen).tolist()):
             m.meter.token()
             m.ids = torch.cat([m.ids, m.ids.new_tensor([[first]])], dim=1) if m.processors else None
             m.tokens.append(first)
@@ -170,6 +174,7 @@ class Decoder:
         self.cache.join(member.cache)
         self.feed = torch.cat([self.feed, torch.tensor([[member.tokens[-1]]], device=self.device)])
         self.position = torch.cat([self.position, position], dim=1)
+        self.sampling.join(BatchSampling(self.device, [sampling_of(member.job)], [len(member.tokens)]))
         self._changed()
 
     def device_bytes(self) -> int:
@@ -207,7 +212,7 @@ class Decoder:
             if any(m.processors for m in members):
                 logits = torch.cat([m.processors(m.ids, logits[b:b + 1]) if m.processors else logits[b:b + 1]
                                     for b, m in enumerate(members)])
-            self.feed.copy_(logits.argmax(dim=-1, keepdim=True))  # the tokens fed next, in place
+            self.feed.copy_(self.sampling.choose(logits)[:, None])  # the tokens fed next, in place
             self.position.add_(1)
         tokens = self.feed.flatten().tolist()  # the step's one read on the host: who has finished
         at = now(self.device)
@@ -237,6 +242,12 @@ class Decoder:
         index = torch.tensor(keep, dtype=torch.long, device=self.feed.device)
         self.feed = self.feed.index_select(0, index)
         self.position = self.position.index_select(1, index)
+        self.sampling.keep(keep, index)
         self._changed()
         for m in members:
             m.ids = None
+
+
+def sampling_of(job):
+    """How ``job``'s tokens are chosen (greedy unless it says otherwise)."""
+    return getattr(job, "sampling", None) or GREEDY

@@ -31,6 +31,7 @@ from hybridkv_cli.engine.admission import Admission
 from hybridkv_cli.engine.decoder import Decoder
 from hybridkv_cli.engine.measure import Generation
 from hybridkv_cli.engine.prefix import Prefix, prefill
+from hybridkv_cli.engine.sampling import Sampling
 from hybridkv_cli.engine.stream import streamed
 from hybridkv_cli.io.errors import OutOfMemoryError
 from hybridkv_cli.io.report import human_bytes
@@ -72,6 +73,7 @@ class Job:
     length: int = 0
     about: Any = None
     max_new_tokens: int | None = None  # this job's own limit (None: the run's)
+    sampling: Sampling | None = None  # how its tokens are chosen (None: greedy)
 
     def __post_init__(self):
         if self.prefix is not None and not self.length:

@@ -54,6 +54,9 @@ def render(result: dict, console: Console) -> None:
         )
     else:
         table.add_row("decode", f"{dec['tokens']} tokens")
+    if result.get("sampling"):
+        s = result["sampling"]
+        table.add_row("sampling", f"temperature {s['temperature']:g}, top-p {s['top_p']:g}, seed {s['seed']}")
     table.add_row(
         "KV memory",
         f"device {human_bytes(kv['device_bytes'])}, host {human_bytes(kv['host_bytes'])}, "

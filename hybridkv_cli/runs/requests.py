@@ -16,6 +16,7 @@ from typing import Any
 from hybridkv_cli.compression import Policy
 from hybridkv_cli.engine import Prefix
 from hybridkv_cli.engine.hkv import is_cache_path
+from hybridkv_cli.engine.sampling import Sampling
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.models.prompt import Prompt
 from hybridkv_cli.runs.inputs import Item
@@ -41,7 +42,7 @@ class Request:
     server); otherwise each question is read in its prompt (compressed with it, or after it with
     ``--defer-question``). A ``prefix`` and a ``.hkv`` file are always shared; a ``prepared``
     prompt never is (it has its question). ``policy``: None for the session's;
-    ``max_new_tokens``: None for the session's.
+    ``max_new_tokens`` and ``sampling``: None for the session's.
     """
 
     tag: Any = None
@@ -53,6 +54,7 @@ class Request:
     shared: bool = False
     policy: Policy | None = None
     max_new_tokens: int | None = None
+    sampling: Sampling | None = None
     label: str | None = None  # the name its errors give (None: the item's key, or the prompt's source)
     history: tuple[tuple[str, str], ...] = ()  # earlier turns (question, answer) before its questions (the server)
 

@@ -17,11 +17,12 @@ prompt), and maps every failure -- out-of-memory included -- to a one-line
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, ContextManager, Iterable, Iterator
 
 from hybridkv_cli.compression import MethodOptions, Policy
 from hybridkv_cli.engine import Job, Limits, Prefix, decode, prefill, prompt_job
+from hybridkv_cli.engine.sampling import GREEDY, Sampling
 from hybridkv_cli.engine.stream import Streaming, streamed
 from hybridkv_cli.io import signals
 from hybridkv_cli.io.errors import ContextLengthError, HybridKVError, ModelError, UsageError, one_line
@@ -51,6 +52,7 @@ class AskOptions:
     max_frames: int | str | None = None  # a video read as a stream of at most this many frames ("all": no cap)
     max_pixels: int | None = None
     max_new_tokens: int = 128
+    sampling: Sampling = GREEDY  # how answer tokens are chosen (temperature 0: greedy)
     defer_question: bool = False  # compress before the question is read (its tokens then decode as a suffix)
     method_given: bool = True  # --method was given (a .hkv input with another method is refused)
     streaming: Streaming = Streaming()  # when and how a long prompt is prefilled in chunks
@@ -269,7 +271,7 @@ class Session:
         job = prompt_job(self.model().model, prepared.prompt, request.policy or self.policy,
                          self.options.defer_question, tag=(request, index), about=prepared,
                          streaming=self.options.streaming)
-        job.max_new_tokens = request.max_new_tokens
+        job.max_new_tokens, job.sampling = request.max_new_tokens, request.sampling or self.options.sampling
         unguarded = job.prefill
         job.prefill = lambda: guarded(prepared.source, unguarded)
         return job
@@ -294,7 +296,7 @@ class Session:
             raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {new} new, more than "
                                      f"the model's context of {limit} tokens", request.source)
         return Job((request, index) if tag is None else tag, suffix, prefix=prefix, about=(request, index),
-                   max_new_tokens=request.max_new_tokens)
+                   max_new_tokens=request.max_new_tokens, sampling=request.sampling or self.options.sampling)
 
     def _turn(self, prefix: Prefix, request: Request) -> list[int]:
         """The tokens between an answer and the next question of a conversation after ``prefix``
@@ -314,15 +316,19 @@ class Session:
         if isinstance(job.about, Prepared):
             p = job.about
             deferred = self.options.defer_question or streamed(p.prompt, self.options.streaming)
-            return make_record(loaded, input_record(p.media, p.prompt), p.question, job.prefix.policy,
-                               outcome.generation, deferred, outcome.batch)
-        (request, index), prefix = job.about, job.prefix
-        info = {k: v for k, v in prefix.info.items() if k != "cache_file"}
-        info["text_tokens"] = prefix.seen - int(prefix.visual.sum()) + len(job.suffix)
-        record = make_record(loaded, info, request.questions[index], prefix.policy, outcome.generation, True,
-                             outcome.batch)
-        return prefix_record(record, prefix, index=index, of=len(request.questions),
-                             cache_file=prefix.info.get("cache_file"))
+            record = make_record(loaded, input_record(p.media, p.prompt), p.question, job.prefix.policy,
+                                 outcome.generation, deferred, outcome.batch)
+        else:
+            (request, index), prefix = job.about, job.prefix
+            info = {k: v for k, v in prefix.info.items() if k != "cache_file"}
+            info["text_tokens"] = prefix.seen - int(prefix.visual.sum()) + len(job.suffix)
+            record = prefix_record(make_record(loaded, info, request.questions[index], prefix.policy,
+                                               outcome.generation, True, outcome.batch),
+                                   prefix, index=index, of=len(request.questions),
+                                   cache_file=prefix.info.get("cache_file"))
+        if job.sampling is not None and not job.sampling.greedy:  # a sampled answer says how to draw it again
+            record["sampling"] = asdict(job.sampling)
+        return record
 
 
 def _raise(error: BaseException):

@@ -4,19 +4,22 @@ OpenAI's request fields are declared (strict types; an unknown field is refused,
 one), then read into what the engine answers: a conversation whose first user message holds the
 media (its image / video parts) and the first question, then, as a chat goes on, the assistant's
 answers and the user's next questions as text; the last message is the question answered. What
-the engine cannot do is refused with a 400 naming the field, never silently ignored: sampling
-(only greedy decoding is served), several choices, log probabilities, tools, media after the first
-message. A system (or developer) message may come first: it is rendered before the media, so it
+the engine cannot do is refused with a 400 naming the field, never silently ignored: penalties,
+several choices, log probabilities, tools, media after the first message. ``temperature`` above 0
+samples (with ``top_p``), from ``seed`` or a seed drawn for the request; left out, it is 0: greedy,
+as the CLI answers. A system (or developer) message may come first: it is rendered before the media, so it
 is part of the kept prefix.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hybridkv_cli.engine.sampling import MAX_TEMPERATURE, Sampling
 from hybridkv_cli.serve.errors import ApiError, bad_request
 from hybridkv_cli.serve.settings import ServeSettings
 
@@ -70,13 +73,13 @@ class ChatBody(_Strict):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     n: int | None = None
     stop: Union[str, list[str], None] = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None  # greedy decoding is deterministic: any seed gives the same answer
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**64)  # a sampled answer's draws (greedy: no effect)
     user: str | None = None
     hybridkv: MethodChoice | None = None
 
@@ -96,6 +99,7 @@ class Chat:
     stop: tuple[str, ...]
     method: str | None
     budget: float | None
+    sampling: Sampling | None = None  # None: greedy
 
 
 def parse_chat(body, settings: ServeSettings) -> Chat:
@@ -112,7 +116,7 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
     if chat.model != settings.model_id:
         raise ApiError(404, f"the model '{chat.model}' does not exist; this server serves '{settings.model_id}'",
                        param="model", code="model_not_found")
-    _greedy_only(chat)
+    _served_choices(chat)
     system, first = _system(chat.messages)
     question, context, media, history = _conversation(chat.messages[first:], settings, first)
     stop = (chat.stop,) if isinstance(chat.stop, str) else tuple(chat.stop or ())
@@ -125,7 +129,7 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
     return Chat(question=question, context=context, history=history, system=system, media=media, stream=chat.stream,
                 include_usage=bool(chat.stream_options and chat.stream_options.include_usage),
                 max_tokens=chat.max_tokens or chat.max_completion_tokens, stop=stop, method=choice.method,
-                budget=choice.budget)
+                budget=choice.budget, sampling=_sampling(chat))
 
 
 _BRANCHES = {"str", "int", "float", "bool", "none"}  # how pydantic names the branches of a union in a location
@@ -150,14 +154,23 @@ def _refusal(error: ValidationError) -> ApiError:
     return bad_request(f"{where}: {problem['msg']}", where or None)
 
 
-def _greedy_only(chat: ChatBody) -> None:
-    """Only greedy decoding is served: a sampling parameter other than its greedy value is refused."""
-    greedy = {"temperature": (chat.temperature, 0), "top_p": (chat.top_p, 1), "n": (chat.n, 1),
-              "presence_penalty": (chat.presence_penalty, 0), "frequency_penalty": (chat.frequency_penalty, 0)}
-    for name, (value, plain) in greedy.items():
-        if value is not None and value != plain:
-            raise bad_request(f"{name} {value:g} is not served: answers are greedy (give {plain} or leave it out)",
-                              name, "unsupported_value")
+def _served_choices(chat: ChatBody) -> None:
+    """One choice and no penalties: another value is refused."""
+    plain = {"n": (chat.n, 1), "presence_penalty": (chat.presence_penalty, 0),
+             "frequency_penalty": (chat.frequency_penalty, 0)}
+    for name, (value, served) in plain.items():
+        if value is not None and value != served:
+            raise bad_request(f"{name} {value:g} is not served (give {served} or leave it out)", name,
+                              "unsupported_value")
+
+
+def _sampling(chat: ChatBody) -> Sampling | None:
+    """How the answer's tokens are drawn: None (greedy) unless ``temperature`` is above 0; the
+    request's ``seed``, else a fresh one (the response says which)."""
+    if not chat.temperature:
+        return None
+    seed = chat.seed if chat.seed is not None else secrets.randbits(63)
+    return Sampling(chat.temperature, 1.0 if chat.top_p is None else chat.top_p, seed)
 
 
 def _system(messages: list[Message]) -> tuple[str | None, int]:

@@ -271,7 +271,7 @@ class Worker:
         tokenizer = self.session.model().tokenizer
         ticket.text = AnswerText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), chat.stop)
         request = Request(ticket, (chat.question,), prefix=prefix, max_new_tokens=chat.max_tokens, label="request",
-                          history=chat.history)
+                          history=chat.history, sampling=chat.sampling)
         return self.session.question_job(prefix, request, 0, tag=ticket)
 
     def _compress(self, ticket: Ticket):
@@ -342,6 +342,7 @@ class Worker:
         batch = record.get("batch")  # how it was decoded: joined at which step, beside how many others
         info["batch"] = {k: batch[k] for k in ("joined_step", "size_max", "size_mean", "kv_device_bytes_peak",
                                                 "kv_memory")} if batch else None
+        info["sampling"] = record.get("sampling")  # the seed that draws this answer again (None: greedy)
         info["prefix_cache_hit"] = ticket.cache_hit
         info["prefix_cache_tier"] = ticket.tier if ticket.cache_hit else None
         info["prefix_prefill_s"] = None if ticket.cache_hit else prefix.prefill_s
