@@ -12,6 +12,7 @@ nobody samples takes the plain argmax.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -71,9 +72,14 @@ def uniform(seed: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor
     """[B, vocab] float32 in (0, 1): the noise of draw ``index[b]`` of seed ``seed[b]`` (int64 [B],
     the seed's two 32-bit halves mixed in turn)."""
     key = hash32(hash32(hash32(seed & MASK32) ^ ((seed >> 32) & MASK32)) ^ (index & MASK32))
-    ids = hash32(torch.arange(vocab, dtype=torch.int64, device=seed.device))
-    bits = hash32(key[:, None] ^ ids[None, :]) >> 8  # 24 bits: exact in float32
+    bits = hash32(key[:, None] ^ _vocab_hashes(vocab, seed.device)[None, :]) >> 8  # 24 bits: exact in float32
     return (bits.float() + 0.5) * 2.0**-24
+
+
+@functools.lru_cache(maxsize=4)
+def _vocab_hashes(vocab: int, device: torch.device) -> torch.Tensor:
+    """The mixed vocabulary ids, made once per vocabulary size and device."""
+    return hash32(torch.arange(vocab, dtype=torch.int64, device=device))
 
 
 def choose(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,

@@ -47,6 +47,7 @@ from hybridkv_cli.serve.media_refs import MediaRef
 from hybridkv_cli.serve.metrics import Metrics
 from hybridkv_cli.serve.prefix_cache import PrefixCache, prefix_key
 from hybridkv_cli.serve.prefix_store import PrefixStore
+from hybridkv_cli.serve.response_info import hybridkv_info, usage
 from hybridkv_cli.serve.schema import Chat
 from hybridkv_cli.serve.settings import ServeSettings
 
@@ -337,19 +338,6 @@ class Worker:
         reason = "length" if not ticket.text.stopped and not ended and len(run.tokens) >= limit else "stop"
         prompt_tokens = prefix.seen + len(job.suffix)
         self.metrics.answered(prompt_tokens, len(run.tokens))
-        info = {k: record[k] for k in ("method", "budget", "prefill_s", "decode", "kv")}
-        info["input"] = {k: v for k, v in record["input"].items() if k != "files"}
-        batch = record.get("batch")  # how it was decoded: joined at which step, beside how many others
-        info["batch"] = {k: batch[k] for k in ("joined_step", "size_max", "size_mean", "kv_device_bytes_peak",
-                                                "kv_memory")} if batch else None
-        info["sampling"] = record.get("sampling")  # the seed that draws this answer again (None: greedy)
-        info["prefix_cache_hit"] = ticket.cache_hit
-        info["prefix_cache_tier"] = ticket.tier if ticket.cache_hit else None
-        info["prefix_prefill_s"] = None if ticket.cache_hit else prefix.prefill_s
         ticket.send("done", {"text": ticket.text.sent, "delta": delta, "finish_reason": reason,
-                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(run.tokens),
-                                       "total_tokens": prompt_tokens + len(run.tokens),
-                                       # OpenAI's field for a prompt prefix served from a cache
-                                       "prompt_tokens_details": {"cached_tokens": prefix.seen if ticket.cache_hit
-                                                                 else 0}},
-                             "hybridkv": info})
+                             "usage": usage(prompt_tokens, len(run.tokens), prefix.seen if ticket.cache_hit else 0),
+                             "hybridkv": hybridkv_info(record, ticket.cache_hit, ticket.tier, prefix.prefill_s)})

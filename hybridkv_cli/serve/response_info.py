@@ -1,0 +1,26 @@
+"""What a finished answer tells its client besides the text: OpenAI's ``usage`` and the response's
+``hybridkv`` field (how it was compressed, decoded, batched and whether its prefix was kept)."""
+
+from __future__ import annotations
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's ``usage``; ``cached_tokens``: the prompt prefix served from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def hybridkv_info(record: dict, cache_hit: bool, tier: str, prefill_s: float) -> dict:
+    """The ``hybridkv`` field from the answer's record (as ``ask -Q`` makes it), where its prefix
+    came from (``tier`` of a hit) and, when this request made the prefix, its ``prefill_s``."""
+    info = {k: record[k] for k in ("method", "budget", "prefill_s", "decode", "kv")}
+    info["input"] = {k: v for k, v in record["input"].items() if k != "files"}
+    batch = record.get("batch")  # how it was decoded: joined at which step, beside how many others
+    info["batch"] = {k: batch[k] for k in ("joined_step", "size_max", "size_mean", "kv_device_bytes_peak",
+                                            "kv_memory")} if batch else None
+    info["sampling"] = record.get("sampling")  # the seed that draws this answer again (None: greedy)
+    info["prefix_cache_hit"] = cache_hit
+    info["prefix_cache_tier"] = tier if cache_hit else None
+    info["prefix_prefill_s"] = None if cache_hit else prefill_s
+    return info
