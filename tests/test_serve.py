@@ -415,6 +415,49 @@ def test_prefixes_beyond_the_devices_share_wait_in_host_memory_and_answer_the_sa
     assert counts == {"misses_total": 1, "host_hits_total": 2, "parks_total": 3, "device_bytes": 0, "entries": 1}
 
 
+def test_the_next_videos_media_is_decoded_while_one_is_prefilled(server):
+    """The media thread decodes the next request's video while the prefill thread holds the first
+    (here held on purpose); both then get the CLI's answers."""
+    from hybridkv_cli.runs.session import AskOptions, Session
+    from hybridkv_cli.serve.settings import ServeSettings
+
+    _, expected = server
+    session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
+    events, release = [], threading.Event()
+    load, compress = session.load_media, session.compress_prepared
+
+    def loading(paths):
+        events.append("load")
+        return load(paths)
+
+    def held(prepared, policy=None):
+        events.append("prefill")
+        assert release.wait(30)
+        return compress(prepared, policy)
+
+    session.load_media, session.compress_prepared = loading, held
+
+    def until(condition):
+        deadline = time.monotonic() + 30
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert condition(), events
+
+    with serving(session, ServeSettings(model_id="demo")) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        ask = lambda path, question: client.chat.completions.create(  # noqa: E731
+            model="demo", messages=video_message(data_url(path), question)).choices[0].message.content
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(ask, NEEDLE, QUESTIONS[0])
+            until(lambda: events == ["load", "prefill"])
+            second = pool.submit(ask, SHAPES, SHAPES_QUESTION)
+            until(lambda: events == ["load", "prefill", "load"])  # decoded while the first is in its prefill
+            release.set()
+            assert first.result() == expected[(NEEDLE.name, QUESTIONS[0])]
+            assert second.result() == expected[(SHAPES.name, SHAPES_QUESTION)]
+    assert events == ["load", "prefill", "load", "prefill"]
+
+
 def test_prefixes_outlive_the_server_in_the_prefix_cache_dir(server, tmp_path):
     """--prefix-cache-dir: the prefix one server made is written when it stops and read from its
     .hkv file by the next (no prefill; the CLI's answer); a file that fails its checks is removed

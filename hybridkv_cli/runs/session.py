@@ -189,8 +189,12 @@ class Session:
         """``media`` (None: the text ``context``), after a ``system`` prompt if given, prefilled
         and compressed with ``policy`` (default: the session's), no question read: a shared
         prefix every question decodes a copy of."""
+        return self.compress_prepared(self.prepare(media, TEMPLATE_QUESTION, context=context, source=source,
+                                                   system=system), policy)
+
+    def compress_prepared(self, prepared: Prepared, policy: Policy | None = None) -> Prefix:
+        """:meth:`compress_media` of a prompt built already (with :data:`TEMPLATE_QUESTION`)."""
         policy = policy or self.policy
-        prepared = self.prepare(media, TEMPLATE_QUESTION, context=context, source=source, system=system)
         prompt = prepared.prompt
         if prompt.question_start == prompt.length:
             raise HybridKVError("the prompt has no question after its media", prepared.source)
@@ -198,7 +202,7 @@ class Session:
             prefix = guarded(prepared.source, prefill, self.model().model, prompt, policy,
                              prompt.question_start, shared=True, streaming=self.options.streaming)
         prefix.template = QuestionTemplate.of(self.model().tokenizer, prompt, prepared.question)
-        info = input_record(media, prompt)
+        info = input_record(prepared.media, prompt)
         info.pop("text_tokens", None)  # the question's: set per record
         prefix.info = info
         return prefix

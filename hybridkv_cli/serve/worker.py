@@ -1,4 +1,4 @@
-"""The two threads that run the model: requests in, answers out.
+"""The decode loop of the server: requests in, answers out.
 
 Requests wait in a bounded queue (full: 503 with Retry-After). The worker thread runs the engine's
 one decode loop (:func:`hybridkv_cli.engine.decode`) over that queue as a live source: while
@@ -6,12 +6,11 @@ requests are decoding it admits whatever is waiting, up to ``--max-batch`` membe
 ``--kv-memory``), and they decode together in one batch step (continuous batching); when nothing
 decodes it sleeps on the queue. A request whose compressed prefix is in the
 :class:`~.prefix_cache.PrefixCache` becomes a job at once; one whose prefix is not goes to the
-prefill thread, which decodes its media, prefills and compresses it and keeps it (or copies a
-parked prefix back to the device, or reads its file) -- beside the decoding, which goes on
-meanwhile -- and puts the request back in the queue. One thread makes
-every prefix, so requests for the same uncached media prefill it once: the second finds it made.
-A request's question is then its job's suffix, read through a copy of that prefix -- exactly what
-``hybridkv ask MEDIA -Q QUESTION`` does, so the answers are the same. (The two threads share the
+:class:`~.prefiller.Prefiller`, whose threads decode its media and make its prefix (or copy a
+parked one back to the device, or read its file) beside the decoding, and put the request back
+in the queue; requests for the same uncached media prefill it once. A request's question is
+then its job's suffix, read through a copy of that prefix -- exactly what ``hybridkv ask MEDIA
+-Q QUESTION`` does, so the answers are the same. (The decode loop and the prefill share the
 model: the decode loop passes its positions, so the prefill's own mRoPE state is the prefill's.)
 
 After every batch step the worker hands each streaming request its new text and stops members
@@ -23,20 +22,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import queue
-import tempfile
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import torch
 
 from hybridkv_cli.compression import MethodOptions, Policy
 from hybridkv_cli.compression.cache import policy_attention
 from hybridkv_cli.engine import Job, Limits, decode
 from hybridkv_cli.engine.admission import Admission
-from hybridkv_cli.io.errors import HybridKVError, UsageError
+from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.models.prompt import checked_system
 from hybridkv_cli.runs.guards import failure
 from hybridkv_cli.runs.requests import Request
@@ -46,6 +40,7 @@ from hybridkv_cli.serve.errors import ApiError, bad_request, from_error
 from hybridkv_cli.serve.media_refs import MediaRef
 from hybridkv_cli.serve.metrics import Metrics
 from hybridkv_cli.serve.prefix_cache import PrefixCache, prefix_key
+from hybridkv_cli.serve.prefiller import Prefiller
 from hybridkv_cli.serve.prefix_store import PrefixStore
 from hybridkv_cli.serve.response_info import hybridkv_info, usage
 from hybridkv_cli.serve.schema import Chat
@@ -69,6 +64,7 @@ class Ticket:
     cache_hit: bool | None = None
     tier: str = "memory"  # where a hit found its prefix: ready ("memory"), parked ("host"), a file ("disk")
     prefix: object = None  # its compressed prefix, once the prefill thread made it (or found it made)
+    prepared: object = None  # its prompt, built by the media thread for the prefill thread
     failure: BaseException | None = None  # why its prefix could not be made
     text: AnswerText | None = None
 
@@ -88,13 +84,12 @@ class Worker:
         self.store = None if settings.prefix_cache_dir is None else PrefixStore(
             settings.prefix_cache_dir, settings.prefix_cache_dir_bytes, session.model())
         self.queue: queue.Queue = queue.Queue()  # requests for the decode loop (bounded by submit)
-        self.misses: queue.Queue = queue.Queue()  # requests whose prefix the prefill thread makes
         self.admission = Admission(limits)  # the engine's: who waits, made, for room in the batch
         self.active = 0  # jobs taken from the queue whose outcome has not come yet
         self.inflight: set[Ticket] = set()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hybridkv-worker", daemon=True)
-        self._prefiller = threading.Thread(target=self._prefill_misses, name="hybridkv-prefill", daemon=True)
+        self.prefiller = Prefiller(session, self.cache, self.store, metrics, self.queue.put, self._stopping)
         generation = session.model().model.generation_config.eos_token_id
         self.eos = set() if generation is None else {generation} if isinstance(generation, int) else set(generation)
 
@@ -146,7 +141,7 @@ class Worker:
     def waiting(self) -> int:
         """Requests waiting: for the decode loop, for their prefill, and made but not yet admitted
         to the batch (--kv-memory)."""
-        return self.queue.qsize() + self.misses.qsize() + len(self.admission.waiting)
+        return self.queue.qsize() + self.prefiller.waiting + len(self.admission.waiting)
 
     @property
     def alive(self) -> bool:
@@ -154,13 +149,13 @@ class Worker:
 
     def start(self) -> None:
         self._thread.start()
-        self._prefiller.start()
+        self.prefiller.start()
         if self.store is not None:
             self.store.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
-        self._prefiller.join(timeout)
+        self.prefiller.join(timeout)
         self._thread.join(timeout)
         if self.store is not None:  # the prefixes made last are written before the process ends
             self.store.stop(timeout)
@@ -170,8 +165,9 @@ class Worker:
         model = lambda: self.session.model().model
         with policy_attention(model()):  # held while serving: no step, question pass or prefill switches the model
             self._serve(model)
-            self._prefiller.join()  # its last request is back in the queue
-        for ticket in list(self.inflight) + self._drain(self.queue) + self._drain(self.misses):
+            self.prefiller.join()  # its last request is back in the queue
+        for ticket in list(self.inflight) + self._drain(self.queue) + self._drain(self.prefiller.misses) + \
+                self._drain(self.prefiller.prompts):
             ticket.send("error", ApiError(503, "the server is stopping", type="server_error", code="unavailable"))
 
     def _serve(self, model) -> None:
@@ -220,48 +216,13 @@ class Worker:
                 ticket.prefix = self.cache.get(ticket.key, count=False)
                 if ticket.prefix is None or ticket.prefix.parked:  # made or copied back beside the decoding
                     ticket.prefix = None
-                    self.misses.put(ticket)
+                    self.prefiller.misses.put(ticket)
                     continue
                 self.cache.count(hit=True)
                 ticket.cache_hit = True
             self.active += 1
             self.inflight.add(ticket)
             yield ticket, lambda ticket=ticket: self._job(ticket)
-
-    def _prefill_misses(self) -> None:
-        """The prefill thread: the prefix of each request that missed the cache, made once (a
-        request for media whose prefix an earlier one made meanwhile finds it), while the worker
-        thread decodes; the request then goes back to the worker's queue."""
-        with torch.inference_mode():
-            while not self._stopping.is_set():
-                try:
-                    ticket = self.misses.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                if ticket.cancelled:
-                    self.metrics.cancel()
-                    continue
-                ticket.prefix = self.cache.get(ticket.key, count=False)
-                if ticket.prefix is not None and ticket.prefix.parked:
-                    ticket.prefix, ticket.tier = self.cache.unparked(ticket.key, ticket.prefix), "host"
-                if ticket.prefix is None and self.store is not None:
-                    ticket.prefix = self.store.load(ticket.key, ticket.policy, ticket.chat.system)
-                    if ticket.prefix is not None:
-                        ticket.tier = "disk"
-                        self.cache.put(ticket.key, ticket.prefix)
-                ticket.cache_hit, made = ticket.prefix is not None, False
-                self.cache.count(hit=ticket.cache_hit)
-                if ticket.prefix is None:
-                    try:
-                        ticket.prefix = self._compress(ticket)
-                        self.cache.put(ticket.key, ticket.prefix)
-                        made = True
-                    except Exception as e:  # its answer is this error (see _job)
-                        ticket.failure = e
-                ticket.refs = []  # decoded: the bytes can go
-                self.queue.put(ticket)
-                if made and self.store is not None:  # written beside the decoding, not before the answer
-                    self.store.keep(ticket.key, ticket.prefix)
 
     def _job(self, ticket: Ticket) -> Job:
         chat = ticket.chat
@@ -274,28 +235,6 @@ class Worker:
         request = Request(ticket, (chat.question,), prefix=prefix, max_new_tokens=chat.max_tokens, label="request",
                           history=chat.history, sampling=chat.sampling)
         return self.session.question_job(prefix, request, 0, tag=ticket)
-
-    def _compress(self, ticket: Ticket):
-        """The request's media (or text) prefilled and compressed with its policy, as ``ask -Q`` does."""
-        chat, refs = ticket.chat, ticket.refs
-        if chat.context is not None:
-            return self.session.compress_media(None, context=chat.context, policy=ticket.policy, system=chat.system)
-        label = refs[0].label if len(refs) == 1 else f"{refs[0].label} + {len(refs) - 1} more"
-        with tempfile.TemporaryDirectory(prefix="hybridkv-serve-") as folder:  # the media loader reads files
-            paths = []
-            for i, ref in enumerate(refs):
-                paths.append(os.path.join(folder, f"{i:04d}{ref.suffix}"))
-                with open(paths[-1], "wb") as f:
-                    f.write(ref.data)
-            try:
-                media = self.session.load_media(paths)
-            except HybridKVError as e:  # named by what the client sent, not by the temporary files
-                for path, ref in zip(paths, refs):
-                    e.reason = e.reason.replace(path, ref.label)
-                raise
-        # named by content, not by the temporary files (gone now)
-        media = dataclasses.replace(media, origin=label, sources=tuple(Path(f"sha256-{r.digest}") for r in refs))
-        return self.session.compress_media(media, source=label, policy=ticket.policy, system=chat.system)
 
     def _watch(self, members) -> list:
         """After a step: new text to streaming clients; the members to stop (client gone, stop string)."""
