@@ -206,9 +206,10 @@ def test_second_question_about_a_video_is_a_prefix_cache_hit_and_skips_prefill(s
     assert min(second_ttft, again) < first_ttft / 2, (first_ttft, second_ttft, again)
 
 
-def stock_answer(session, media_path: Path, turns: list[tuple[str, str]], max_new_tokens: int):
+def stock_answer(session, media_path: Path, turns: list[tuple[str, str]], max_new_tokens: int, scores: list = None):
     """``(prompt tokens, answer)`` of the stock model's greedy ``generate`` on the chat template's
-    rendering of ``turns`` ((role, text) each; the video in the first user turn)."""
+    rendering of ``turns`` ((role, text) each; the video in the first user turn); ``scores``: a
+    list given gets the log probabilities of each answer token's step ([V] each)."""
     from hybridkv_cli.models import families
     from hybridkv_cli.models.prompt import video_kwargs
 
@@ -224,8 +225,11 @@ def stock_answer(session, media_path: Path, turns: list[tuple[str, str]], max_ne
         loaded.processor, "video", media.frames_used * height * width, meta))
     length = inputs["input_ids"].shape[1]
     with torch.inference_mode():
-        tokens = loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)[0, length:]
-    return length, loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        out = loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                                    return_dict_in_generate=True)
+    if scores is not None:
+        scores.extend(step[0].float().log_softmax(-1) for step in out.scores)
+    return length, loaded.tokenizer.decode(out.sequences[0, length:], skip_special_tokens=True).strip()
 
 
 def test_a_conversation_goes_on_after_the_kept_prefix_as_the_model_reads_it_whole(server, client):
@@ -296,13 +300,37 @@ def test_a_sampled_answer_is_drawn_again_by_its_seed_and_equals_the_librarys(ser
     [library] = expected["session"].answer([Request(questions=(question,), item=Item((str(NEEDLE),)), shared=True,
                                                     sampling=Sampling(1.5, 0.9, drawn["seed"]))])
     assert library.record["answer"] == first.choices[0].message.content and library.record["sampling"] == drawn
-    hot = lambda seed: client.chat.completions.create(model="demo", messages=video_message("needle.mp4", question),
-                                                      temperature=2.0, seed=seed).choices[0].message.content
-    assert len({hot(seed) for seed in range(8)}) > 1  # the seeds draw different answers
+    assert ask().model_extra["hybridkv"]["sampling"]["seed"] != drawn["seed"]  # no seed given: a fresh one each time
     greedy = client.chat.completions.create(model="demo", messages=video_message("needle.mp4", question),
                                             temperature=0, seed=5)
     assert greedy.choices[0].message.content == expected[(NEEDLE.name, question)]
     assert greedy.model_extra["hybridkv"]["sampling"] is None
+
+
+def test_logprobs_are_the_stock_models_streamed_or_not(server, client):
+    """logprobs / top_logprobs: each answer token's log probability and best alternatives, as the
+    stock model's own scores give them (method full), in the response or on a stream's last chunk."""
+    _, expected = server
+    tokenizer = expected["session"].model().tokenizer
+    ask = dict(model="demo", messages=video_message(data_url(NEEDLE), QUESTIONS[0]), max_tokens=6, logprobs=True,
+               top_logprobs=3, extra_body={"hybridkv": {"method": "full"}})
+    reply = client.chat.completions.create(**ask)
+    scores = []
+    stock_answer(expected["session"], NEEDLE, [("user", QUESTIONS[0])], 6, scores)
+    content = reply.choices[0].logprobs.content
+    assert content and "".join(t.token for t in content).strip() == reply.choices[0].message.content
+    for entry, row in zip(content, scores):
+        best = row.topk(3)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([i]) for i in best.indices.tolist()]
+        assert entry.token == entry.top_logprobs[0].token and abs(entry.logprob - best.values[0].item()) < 1e-4
+        assert all(abs(t.logprob - v) < 1e-4 for t, v in zip(entry.top_logprobs, best.values.tolist()))
+        assert entry.bytes == list(entry.token.encode())
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert [t.model_dump() for t in last.choices[0].logprobs.content] == [t.model_dump() for t in content]
+    assert client.chat.completions.create(**{**ask, "logprobs": None, "top_logprobs": None}).choices[0].logprobs is None
+    r = _post(server[0], _good(top_logprobs=2))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
 def test_stop_strings_and_max_tokens(server, client):

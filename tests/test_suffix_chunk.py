@@ -94,7 +94,11 @@ def test_a_deferred_question_is_one_forward_pass_and_its_first_token_comes_from_
 def test_a_question_after_a_long_clip_sits_where_the_whole_prompt_puts_it(demo):
     """Qwen's text after a video starts past the video's height and width, while its time steps
     run further (here to 52, the text from 36): a question read after compression must take the
-    whole prompt's positions, and the answer's tokens follow the highest one, as in one pass."""
+    whole prompt's positions; and where time runs past the whole prompt (64 frames, a short
+    question), the answer's tokens go on from the prompt's last one, as the model's own forward
+    pass over prompt and answer puts them -- every answer token's log probability and best
+    alternatives are that pass's, one pass or deferred."""
+    from hybridkv_cli.engine import decode, prompt_job
     from hybridkv_cli.engine.stream import positions
     from hybridkv_cli.media import load_media
 
@@ -107,3 +111,25 @@ def test_a_question_after_a_long_clip_sits_where_the_whole_prompt_puts_it(demo):
         policy = make_policy(name, budget=1.0)
         assert generate(demo.model, prompt, policy, 6, defer_question=True).tokens == \
             generate(demo.model, prompt, policy, 6).tokens
+    clip = load_media([Path(__file__).resolve().parents[1] / "sample_media" / "needle.mp4"], frames=64)
+    prompt = build_prompt(demo.processor, clip, "Colour?")
+    pos, _ = positions(demo.model, prompt.inputs)
+    assert int(pos[0, 0].max()) > int(pos[0, 0, -1])  # the case: time runs past the whole prompt's text
+    for defer in (False, True):
+        job = prompt_job(demo.model, prompt, make_policy("full"), defer)
+        job.logprobs = 5
+        [outcome] = decode(lambda: demo.model, [(0, lambda: job)], max_new_tokens=6)
+        answer = outcome.generation.tokens
+        whole = dict(prompt.inputs)  # the model reads prompt and answer in one pass, at its own positions
+        extra = torch.tensor([answer[:-1]])
+        for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+            if key in whole:
+                whole[key] = torch.cat([whole[key], extra if key == "input_ids" else torch.ones_like(extra) * (
+                    key == "attention_mask")], dim=1)
+        demo.model.model.rope_deltas = None
+        with torch.inference_mode():
+            logits = demo.model(**whole).logits[0, prompt.length - 1:].float().log_softmax(-1)
+        for row, token, (logprob, best) in zip(logits, answer, outcome.generation.logprobs):
+            top = row.topk(5)
+            assert abs(logprob - row[token].item()) < 1e-4 and [i for i, _ in best] == top.indices.tolist()
+            assert max(abs(v - w) for (_, v), w in zip(best, top.values.tolist())) < 1e-4, (defer, best, top)

@@ -51,10 +51,13 @@ class Member:
     sizes: list[int] = field(default_factory=list)  # members in each of its steps
     kv_peak: int = 0  # most device KV of the batch during its steps
     replayed: int = 0  # its steps replayed as a CUDA graph
+    logprobs: list | None = None  # when its job asks: each token's log probability and best alternatives
 
     def generation(self) -> Generation:
         prefix = self.job.prefix
-        return self.meter.finish(self.tokens, self.cache, prefix.device_bytes, prefix.seen)
+        generation = self.meter.finish(self.tokens, self.cache, prefix.device_bytes, prefix.seen)
+        generation.logprobs = self.logprobs
+        return generation
 
 
 class Decoder:
@@ -130,18 +133,37 @@ class Decoder:
         processors = self.model._get_logits_processor(
             generation_config=self.config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
             device=self.device, model_kwargs={})
-        return Member(job, cache, meter, processors, ids, bytes=0, joined=self.steps)
+        return Member(job, cache, meter, processors, ids, bytes=0, joined=self.steps,
+                      logprobs=None if getattr(job, "logprobs", None) is None else [])
 
     def _first(self, members: list[Member], logits: list[torch.Tensor]) -> None:
         """Each member's first token, from its [1, V] fp32 ``logits`` after its prompt (the
         tokens read on the host once for them all)."""
         chosen = torch.cat([m.processors(m.ids, row) if m.processors else row for m, row in zip(members, logits)])
         draws = BatchSampling(self.device, [sampling_of(m.job) for m in members], [0] * len(members))
-        for m, first in zip(members, draws.choose(chosen).tolist()):
+        for m, first in zip(members, self._read(members, chosen, draws.choose(chosen))):
             m.meter.token()
             m.ids = torch.cat([m.ids, m.ids.new_tensor([[first]])], dim=1) if m.processors else None
             m.tokens.append(first)
             m.bytes = m.cache.device_bytes()
+
+    @staticmethod
+    def _read(members: list[Member], logits: torch.Tensor, tokens: torch.Tensor) -> list[int]:
+        """The chosen ``tokens`` ([B] on the device) read on the host, in the same one read with
+        the log probabilities of the members that ask for them (after the logits processors, before
+        a temperature), which go to their ``logprobs``."""
+        k = max((m.job.logprobs for m in members if m.logprobs is not None), default=None)
+        if k is None:
+            return tokens.tolist()
+        log = logits.log_softmax(dim=-1)
+        top = log.topk(k, dim=-1)
+        rows = torch.cat([tokens[:, None].double(), log.gather(1, tokens[:, None]).double(), top.values.double(),
+                          top.indices.double()], dim=1).tolist()
+        for m, row in zip(members, rows):
+            if m.logprobs is not None:
+                best = m.job.logprobs
+                m.logprobs.append((row[1], [(int(i), v) for v, i in zip(row[2:2 + best], row[2 + k:2 + k + best])]))
+        return [int(row[0]) for row in rows]
 
     def read(self, caches: list[PolicyCache], suffixes: list[list[int]], ropes: list) -> torch.Tensor:
         """Each of ``suffixes`` through its cache of ``caches``, all in one forward pass
@@ -168,7 +190,7 @@ class Decoder:
 
     def join(self, member: Member) -> None:
         """Add a started member to the batch: it decodes from the next step on."""
-        rope = member.job.prefix.rope_after(len(member.job.suffix))
+        rope = member.job.prefix.rope_for_suffix()
         position = self._positions(member.cache.get_seq_length(), 1, rope)
         self.members.append(member)
         self.cache.join(member.cache)
@@ -214,7 +236,7 @@ class Decoder:
                                     for b, m in enumerate(members)])
             self.feed.copy_(self.sampling.choose(logits)[:, None])  # the tokens fed next, in place
             self.position.add_(1)
-        tokens = self.feed.flatten().tolist()  # the step's one read on the host: who has finished
+        tokens = self._read(members, logits, self.feed.flatten())  # the step's one read on the host: who has finished
         at = now(self.device)
         self.steps += 1
         kv = self.device_bytes()

@@ -74,6 +74,7 @@ class Job:
     about: Any = None
     max_new_tokens: int | None = None  # this job's own limit (None: the run's)
     sampling: Sampling | None = None  # how its tokens are chosen (None: greedy)
+    logprobs: int | None = None  # each token's log probability and this many best alternatives (None: none)
 
     def __post_init__(self):
         if self.prefix is not None and not self.length:

@@ -23,7 +23,7 @@ def now(device: torch.device) -> float:
 
 @dataclass
 class Generation:
-    """Tokens and measurements of one greedy generation."""
+    """Tokens and measurements of one generation."""
 
     tokens: list[int]
     prefill_s: float  # to the first token: prefill and compression, or (from a shared prefix) its own suffix
@@ -32,6 +32,7 @@ class Generation:
     device_bytes_after_prefill: int
     compressed: int  # prompt tokens the policy compressed (the budget's base)
     cuda_peak_bytes: int | None = None
+    logprobs: list | None = None  # when asked: each token's (log probability, [(id, log probability)] best first)
 
 
 class Meter:

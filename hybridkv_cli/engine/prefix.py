@@ -61,22 +61,16 @@ class Prefix:
     host_bytes: int = 0
     info: dict = field(default_factory=dict)  # what a record's "input" says about the media
     role: str = "visual"  # the prefix's bulk tokens: "visual" (media) or "context" (a text prompt)
-    text_deltas: torch.Tensor | None = None  # mRoPE offset of the text read after the prefix (None: rope_deltas)
+    text_deltas: torch.Tensor | None = None  # mRoPE offset of the text after the prefix (None: rope_deltas)
     parked: bool = False  # its device state is in host memory (:meth:`park`): decoded only after :meth:`unpark`
     _flat: tuple | None = field(default=None, repr=False)  # a shared prefix's state flattened once, to clone
 
     def rope_for_suffix(self) -> torch.Tensor | None:
-        """The mRoPE offset of a suffix's tokens (a question read after the prefix): where the
-        whole prompt puts the text after the media."""
+        """The mRoPE offset of the text after the prefix -- a question read after it, then the
+        answer's tokens: text goes on one position a token, as the model's own ``generate`` and
+        one forward pass over prompt and answer place it (not past the media's last time step,
+        which may lie beyond the text)."""
         return self.text_deltas if self.text_deltas is not None else self.rope_deltas
-
-    def rope_after(self, suffix: int) -> torch.Tensor | None:
-        """The mRoPE offset of the tokens generated after ``suffix`` tokens read past the prefix:
-        they follow the highest position so far, as in the model's own generation (the media's
-        last time step may lie beyond the text read after it)."""
-        if self.rope_deltas is None:
-            return None
-        return torch.maximum(self.rope_deltas - suffix, self.rope_for_suffix())
 
     @property
     def state(self) -> tuple:
@@ -170,10 +164,12 @@ def prefill(model, prompt: Prompt, policy: Policy, upto: int | None = None, *, s
                 logits = model(**inputs, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
             rope = owner.rope_deltas if owner is not None else None
         text = None
-        if rope is not None and upto < prompt.length:
-            # Where the text after the media starts is the whole prompt's to say (Qwen's text
-            # after a video starts past its height and width, not past its time).
-            text = (positions(model, whole)[0][0, :, upto] - upto)[:, None]
+        if rope is not None:
+            # Where the text after the prefix goes is the whole prompt's to say (Qwen's text after
+            # a video starts past its height and width, not past its time): a question read
+            # later at its place in the prompt, an answer one past the prompt's last token.
+            at = positions(model, whole)[0][0]
+            text = (at[:, upto] - upto if upto < prompt.length else at[:, -1] + 1 - upto)[:, None]
         rope = rope.clone() if rope is not None else None
     finally:
         if owner is not None:

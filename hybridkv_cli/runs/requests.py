@@ -55,6 +55,7 @@ class Request:
     policy: Policy | None = None
     max_new_tokens: int | None = None
     sampling: Sampling | None = None
+    logprobs: int | None = None  # each answer token's log probability and this many alternatives (None: none)
     label: str | None = None  # the name its errors give (None: the item's key, or the prompt's source)
     history: tuple[tuple[str, str], ...] = ()  # earlier turns (question, answer) before its questions (the server)
 

@@ -276,6 +276,7 @@ class Session:
                          self.options.defer_question, tag=(request, index), about=prepared,
                          streaming=self.options.streaming)
         job.max_new_tokens, job.sampling = request.max_new_tokens, request.sampling or self.options.sampling
+        job.logprobs = request.logprobs
         unguarded = job.prefill
         job.prefill = lambda: guarded(prepared.source, unguarded)
         return job
@@ -300,7 +301,8 @@ class Session:
             raise ContextLengthError(f"the prompt needs {prefix.seen + len(suffix)} tokens + {new} new, more than "
                                      f"the model's context of {limit} tokens", request.source)
         return Job((request, index) if tag is None else tag, suffix, prefix=prefix, about=(request, index),
-                   max_new_tokens=request.max_new_tokens, sampling=request.sampling or self.options.sampling)
+                   max_new_tokens=request.max_new_tokens, sampling=request.sampling or self.options.sampling,
+                   logprobs=request.logprobs)
 
     def _turn(self, prefix: Prefix, request: Request) -> list[int]:
         """The tokens between an answer and the next question of a conversation after ``prefix``

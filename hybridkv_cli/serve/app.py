@@ -151,7 +151,7 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
         if kind == "error":
             raise data
         choice = {"index": 0, "message": {"role": "assistant", "content": data["text"], "refusal": None},
-                  "finish_reason": data["finish_reason"], "logprobs": None}
+                  "finish_reason": data["finish_reason"], "logprobs": data["logprobs"]}
         return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                              "created": int(time.time()), "model": settings.model_id, "choices": [choice],
                              "usage": data["usage"], "hybridkv": data["hybridkv"]})
@@ -159,9 +159,9 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
     def streamed(ticket: Ticket, first) -> StreamingResponse:
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(delta: dict, reason: str | None = None, **extra) -> str:
-            choices = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}] if delta is not None \
-                else []
+        def chunk(delta: dict, reason: str | None = None, logprobs: dict | None = None, **extra) -> str:
+            choices = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}] \
+                if delta is not None else []
             body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": settings.model_id,
                     "choices": choices, **extra}
             return f"data: {json.dumps(body)}\n\n"
@@ -177,7 +177,8 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
                     elif kind == "done":
                         if data["delta"] or role:
                             yield chunk({**role, "content": data["delta"]})
-                        yield chunk({}, data["finish_reason"], hybridkv=data["hybridkv"])
+                        # the answer's log probabilities, all of them, on the chunk that ends it
+                        yield chunk({}, data["finish_reason"], data["logprobs"], hybridkv=data["hybridkv"])
                         if ticket.chat.include_usage:
                             yield chunk(None, usage=data["usage"])
                         break

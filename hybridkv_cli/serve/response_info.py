@@ -1,5 +1,6 @@
-"""What a finished answer tells its client besides the text: OpenAI's ``usage`` and the response's
-``hybridkv`` field (how it was compressed, decoded, batched and whether its prefix was kept)."""
+"""What a finished answer tells its client besides the text: OpenAI's ``usage`` and ``logprobs``,
+and the response's ``hybridkv`` field (how it was compressed, decoded, batched and whether its
+prefix was kept)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,24 @@ def hybridkv_info(record: dict, cache_hit: bool, tier: str, prefill_s: float) ->
     info["prefix_cache_tier"] = tier if cache_hit else None
     info["prefix_prefill_s"] = None if cache_hit else prefill_s
     return info
+
+
+def logprobs(tokenizer, tokens: list[int], entries: list, text: str) -> dict:
+    """OpenAI's ``logprobs`` of an answer: each token's text (special tokens by name), bytes and log
+    probability with its best alternatives (``entries`` from the engine, one per token), for the
+    tokens that make the answer's ``text`` (an answer cut at a stop string, or ended by the
+    end-of-sequence token, drops the tokens after it)."""
+    made, kept = 0, len(tokens)  # the fewest tokens whose text covers the answer's (a binary search)
+    while made < kept:
+        middle = (made + kept) // 2
+        covered = len(tokenizer.decode(tokens[:middle], skip_special_tokens=True)) >= len(text)
+        made, kept = (made, middle) if covered else (middle + 1, kept)
+    content = [{**_token(tokenizer, token, logprob),
+                "top_logprobs": [_token(tokenizer, other, value) for other, value in best]}
+               for token, (logprob, best) in zip(tokens[:made], entries)]
+    return {"content": content, "refusal": None}
+
+
+def _token(tokenizer, token: int, logprob: float) -> dict:
+    piece = tokenizer.decode([token])
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}

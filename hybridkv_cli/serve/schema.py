@@ -5,7 +5,8 @@ one), then read into what the engine answers: a conversation whose first user me
 media (its image / video parts) and the first question, then, as a chat goes on, the assistant's
 answers and the user's next questions as text; the last message is the question answered. What
 the engine cannot do is refused with a 400 naming the field, never silently ignored: penalties,
-several choices, log probabilities, tools, media after the first message. ``temperature`` above 0
+several choices, tools, media after the first message. ``logprobs`` / ``top_logprobs`` give each
+answer token's log probability and its best alternatives. ``temperature`` above 0
 samples (with ``top_p``), from ``seed`` or a seed drawn for the request; left out, it is 0: greedy,
 as the CLI answers. A system (or developer) message may come first: it is rendered before the media, so it
 is part of the kept prefix.
@@ -80,6 +81,8 @@ class ChatBody(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = Field(default=None, ge=-2**63, lt=2**64)  # a sampled answer's draws (greedy: no effect)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     user: str | None = None
     hybridkv: MethodChoice | None = None
 
@@ -100,6 +103,7 @@ class Chat:
     method: str | None
     budget: float | None
     sampling: Sampling | None = None  # None: greedy
+    logprobs: int | None = None  # the answer tokens' log probabilities with this many alternatives (None: none)
 
 
 def parse_chat(body, settings: ServeSettings) -> Chat:
@@ -122,6 +126,8 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
     stop = (chat.stop,) if isinstance(chat.stop, str) else tuple(chat.stop or ())
     if len(stop) > settings.max_stop or any(not s for s in stop):
         raise bad_request(f"stop: at most {settings.max_stop} non-empty strings", "stop")
+    if chat.top_logprobs is not None and not chat.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if chat.max_tokens is not None and chat.max_completion_tokens is not None and \
             chat.max_tokens != chat.max_completion_tokens:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
@@ -129,7 +135,8 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
     return Chat(question=question, context=context, history=history, system=system, media=media, stream=chat.stream,
                 include_usage=bool(chat.stream_options and chat.stream_options.include_usage),
                 max_tokens=chat.max_tokens or chat.max_completion_tokens, stop=stop, method=choice.method,
-                budget=choice.budget, sampling=_sampling(chat))
+                budget=choice.budget, sampling=_sampling(chat),
+                logprobs=(chat.top_logprobs or 0) if chat.logprobs else None)
 
 
 _BRANCHES = {"str", "int", "float", "bool", "none"}  # how pydantic names the branches of a union in a location

@@ -42,7 +42,7 @@ from hybridkv_cli.serve.metrics import Metrics
 from hybridkv_cli.serve.prefix_cache import PrefixCache, prefix_key
 from hybridkv_cli.serve.prefiller import Prefiller
 from hybridkv_cli.serve.prefix_store import PrefixStore
-from hybridkv_cli.serve.response_info import hybridkv_info, usage
+from hybridkv_cli.serve.response_info import hybridkv_info, logprobs, usage
 from hybridkv_cli.serve.schema import Chat
 from hybridkv_cli.serve.settings import ServeSettings
 
@@ -230,11 +230,13 @@ class Worker:
             raise ticket.failure
         prefix = ticket.prefix
         ticket.refs = []  # decoded: the bytes can go
-        tokenizer = self.session.model().tokenizer
-        ticket.text = AnswerText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), chat.stop)
+        ticket.text = AnswerText(self._decode, chat.stop)
         request = Request(ticket, (chat.question,), prefix=prefix, max_new_tokens=chat.max_tokens, label="request",
-                          history=chat.history, sampling=chat.sampling)
+                          history=chat.history, sampling=chat.sampling, logprobs=chat.logprobs)
         return self.session.question_job(prefix, request, 0, tag=ticket)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.session.model().tokenizer.decode(ids, skip_special_tokens=True)
 
     def _watch(self, members) -> list:
         """After a step: new text to streaming clients; the members to stop (client gone, stop string)."""
@@ -277,6 +279,8 @@ class Worker:
         reason = "length" if not ticket.text.stopped and not ended and len(run.tokens) >= limit else "stop"
         prompt_tokens = prefix.seen + len(job.suffix)
         self.metrics.answered(prompt_tokens, len(run.tokens))
-        ticket.send("done", {"text": ticket.text.sent, "delta": delta, "finish_reason": reason,
+        probs = None if run.logprobs is None else logprobs(self.session.model().tokenizer, run.tokens, run.logprobs,
+                                                           ticket.text.sent)
+        ticket.send("done", {"text": ticket.text.sent, "delta": delta, "finish_reason": reason, "logprobs": probs,
                              "usage": usage(prompt_tokens, len(run.tokens), prefix.seen if ticket.cache_hit else 0),
                              "hybridkv": hybridkv_info(record, ticket.cache_hit, ticket.tier, prefix.prefill_s)})
