@@ -32,6 +32,9 @@ from loguru import logger as eval_logger
 from PIL import Image
 
 from hybridkv_cli.compression import MethodOptions
+from hybridkv_cli.engine.decoder import text_positions
+from hybridkv_cli.engine.prefix import rope_owner
+from hybridkv_cli.engine.stream import positions
 from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.library import compress
 from hybridkv_cli.models.prompt import question_ids
@@ -161,6 +164,10 @@ class HybridKV(lmms):
         prompt = self.prepare(question, visuals).prompt
         model, ids = self.loaded.model, question_ids(self.loaded.tokenizer, continuation)
         inputs = {k: v.to(model.device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
+        # the continuation is text after the prompt: it goes on from the prompt's last position, as
+        # one forward pass over both places it (on a video, not past the video's last time step)
+        rows, (at, _), n = (4 if rope_owner(model) is not None else 1), positions(model, inputs), prompt.length
+        delta = 0 if at is None else int(at[0, 0, -1]) + 1 - n
         total, greedy = 0.0, True
         with torch.inference_mode(), compress(model, self.session.policy, roles=prompt.visual) as run:
             cache = run.new_cache(inputs["input_ids"])
@@ -170,8 +177,10 @@ class HybridKV(lmms):
                 total += float(logp[token])
                 greedy = greedy and int(logp.argmax()) == token
                 if i + 1 < len(ids):  # the last token's own logits are not needed
-                    step = torch.tensor([[token]], device=model.device)
-                    logits = model(input_ids=step, cache=cache, use_cache=True).logits[0, -1]
+                    step, where = torch.tensor([[token]], device=model.device), text_positions(
+                        rows, n + i, 1, delta, model.device)
+                    logits = model(input_ids=step, position_ids=where if rows > 1 else where[0],
+                                   cache_position=where[0, 0], cache=cache, use_cache=True).logits[0, -1]
         return total, greedy
 
     def _log(self, entry: dict) -> None:

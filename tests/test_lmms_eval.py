@@ -45,10 +45,12 @@ def _blocky(seed: int, w: int, h: int) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory):
-    """A toy task: doc 0 two PIL images, doc 1 a video path, doc 2 no visual (text only)."""
+    """A toy task: doc 0 two PIL images, doc 1 a video path, doc 2 no visual (text only), doc 3 the
+    64-frame sample clip (4 fps: read at 64 frames its time steps run past the prompt's text)."""
     root = tmp_path_factory.mktemp("lmms_docs")
     video = make_noise_video(root / "clip.mp4", n=16, w=112, h=84)
-    return [{"images": [_blocky(0, 224, 168), _blocky(1, 168, 224)]}, {"images": [str(video)]}, {"images": []}]
+    return [{"images": [_blocky(0, 224, 168), _blocky(1, 168, 224)]}, {"images": [str(video)]}, {"images": []},
+            {"images": [str(REPO / "sample_media" / "needle.mp4")]}]
 
 
 def request(index: int, until=None) -> Instance:
@@ -172,6 +174,11 @@ def test_loglikelihood_through_the_compressed_cache(tmp_path, docs):
     answer = full.generate_until([request(0)])[0].text
     assert answer and full.loglikelihood([loglikelihood_request(0, answer)])[0][1] is True
     assert full.loglikelihood([loglikelihood_request(0, "zzz " + answer)])[0][1] is False
+    # A continuation after a video whose time steps run past the prompt's text: still the model's own pass.
+    long = HybridKV.create_from_arg_string("pretrained=demo,method=full,device=cpu,frames=64")
+    long.task_dict = {"toy": {"test": docs}}
+    [(score, _)] = long.loglikelihood([loglikelihood_request(3, " a red box")])
+    assert score == pytest.approx(reference_loglikelihood(long, 3, " a red box", docs), abs=1e-3)
 
 
 def test_documented_cli_run_on_an_offline_task(tmp_path):

@@ -182,11 +182,9 @@ class Decoder:
         return out.logits[0].float()
 
     def _positions(self, seen: int, count: int, rope: torch.Tensor | None) -> torch.Tensor:
-        """[R, 1, count] positions of ``count`` tokens fed after ``seen``: the text position,
-        then (mRoPE) the 3 rotary ones, offset by the prefix's ``rope`` deltas."""
-        delta = int(rope.flatten()[0]) if rope is not None else 0
-        text = torch.arange(seen, seen + count, device=self.device)
-        return torch.stack([text] + [text + delta] * (self.rows - 1)).unsqueeze(1)
+        """[R, 1, count] positions of ``count`` tokens fed after ``seen``, offset by the prefix's
+        ``rope`` deltas (:func:`text_positions`)."""
+        return text_positions(self.rows, seen, count, int(rope.flatten()[0]) if rope is not None else 0, self.device)
 
     def join(self, member: Member) -> None:
         """Add a started member to the batch: it decodes from the next step on."""
@@ -268,6 +266,13 @@ class Decoder:
         self._changed()
         for m in members:
             m.ids = None
+
+
+def text_positions(rows: int, seen: int, count: int, delta: int, device) -> torch.Tensor:
+    """[R, 1, count] positions of ``count`` text tokens fed after ``seen`` cached ones: the text
+    position, then (mRoPE, ``rows`` = 4) the 3 rotary ones, offset by ``delta``."""
+    text = torch.arange(seen, seen + count, device=device)
+    return torch.stack([text] + [text + delta] * (rows - 1)).unsqueeze(1)
 
 
 def sampling_of(job):
