@@ -32,8 +32,7 @@ from loguru import logger as eval_logger
 from PIL import Image
 
 from hybridkv_cli.compression import MethodOptions
-from hybridkv_cli.engine.decoder import text_positions
-from hybridkv_cli.engine.prefix import rope_owner
+from hybridkv_cli.engine.decoder import position_rows, text_positions
 from hybridkv_cli.engine.stream import positions
 from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.library import compress
@@ -166,7 +165,7 @@ class HybridKV(lmms):
         inputs = {k: v.to(model.device) if torch.is_tensor(v) else v for k, v in prompt.inputs.items()}
         # the continuation is text after the prompt: it goes on from the prompt's last position, as
         # one forward pass over both places it (on a video, not past the video's last time step)
-        rows, (at, _), n = (4 if rope_owner(model) is not None else 1), positions(model, inputs), prompt.length
+        rows, (at, _), n = position_rows(model), positions(model, inputs), prompt.length
         delta = 0 if at is None else int(at[0, 0, -1]) + 1 - n
         total, greedy = 0.0, True
         with torch.inference_mode(), compress(model, self.session.policy, roles=prompt.visual) as run:

@@ -39,7 +39,6 @@ def ask(
     stream_kv_tokens: Optional[int] = STREAM_KV_TOKENS, system: Optional[str] = SYSTEM, options=None,
 ):
     from hybridkv_cli.runs.multi_run import plan_questions, resolve_cache_inputs
-    from hybridkv_cli.engine.sampling import GREEDY
     from hybridkv_cli.runs.session import AskOptions, Session
 
     asked = plan_questions(question_opt, questions_file)
@@ -61,7 +60,7 @@ def ask(
                           method_given=method is not None, method_options=options, frames=frames, fps=fps,
                           max_frames=max_frames_arg(max_frames, fps, max_pixels, streams), max_pixels=max_pixels,
                           max_new_tokens=max_new_tokens, defer_question=defer_question or multi, streaming=streams,
-                          system=system, sampling=sampling(temperature, top_p, seed) or GREEDY)
+                          system=system, sampling=sampling(temperature, top_p, seed))
     stages = status(quiet)
     # refuses a bad method or option before any input is read
     session = Session(settings, stage=stages, progress=stages.frames)

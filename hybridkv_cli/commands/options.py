@@ -251,21 +251,17 @@ def streaming(mode: str, chunk: int, window: int, kv_tokens: int | None = None):
 
 
 def sampling(temperature: float, top_p: float, seed: int | None):
-    """The sampling options (None: greedy; a usage error names a bad one)."""
-    import secrets
-
+    """The sampling options (a usage error names a bad one; each is checked even where
+    temperature 0 leaves it unused)."""
     from hybridkv_cli.engine.sampling import Sampling
 
-    for flag, value in (("--temperature", temperature), ("--top-p", top_p)):
+    for flag, field, value in (("--temperature", "temperature", temperature), ("--top-p", "top_p", top_p),
+                               ("--seed", "seed", seed or 0)):
         try:
-            Sampling(**{flag.lstrip("-").replace("-", "_"): value})
+            Sampling(**{field: value})
         except ValueError as e:
             raise UsageError(str(e), flag) from None
-    if seed is not None and not -2**63 <= seed < 2**64:
-        raise UsageError("the seed must be a 64-bit integer", "--seed")
-    if temperature == 0:
-        return None
-    return Sampling(temperature, top_p, secrets.randbits(63) if seed is None else seed)
+    return Sampling.of(temperature, top_p, seed)
 
 
 def max_frames_arg(value: str | None, fps: float | None, max_pixels: int | None, stream) -> int | str | None:

@@ -75,7 +75,7 @@ class Decoder:
         # the kernels are the device's default either way: --cuda-graphs only replays them
         self.cache = BatchCache(layer_count(model), self.device)
         self.members: list[Member] = []
-        self.rows = 4 if rope_owner(model) is not None else 1  # mRoPE: the text position, then 3 rotary ones
+        self.rows = position_rows(model)
         self.feed = torch.empty(0, 1, dtype=torch.long, device=self.device)  # [B, 1] next tokens
         self.position = torch.empty(self.rows, 0, 1, dtype=torch.long, device=self.device)  # [R, B, 1]
         self.sampling = BatchSampling(self.device)  # each member's temperature, top-p, seed and draws
@@ -141,14 +141,14 @@ class Decoder:
         tokens read on the host once for them all)."""
         chosen = torch.cat([m.processors(m.ids, row) if m.processors else row for m, row in zip(members, logits)])
         draws = BatchSampling(self.device, [sampling_of(m.job) for m in members], [0] * len(members))
-        for m, first in zip(members, self._read(members, chosen, draws.choose(chosen))):
+        for m, first in zip(members, self._chosen(members, chosen, draws.choose(chosen))):
             m.meter.token()
             m.ids = torch.cat([m.ids, m.ids.new_tensor([[first]])], dim=1) if m.processors else None
             m.tokens.append(first)
             m.bytes = m.cache.device_bytes()
 
     @staticmethod
-    def _read(members: list[Member], logits: torch.Tensor, tokens: torch.Tensor) -> list[int]:
+    def _chosen(members: list[Member], logits: torch.Tensor, tokens: torch.Tensor) -> list[int]:
         """The chosen ``tokens`` ([B] on the device) read on the host, in the same one read with
         the log probabilities of the members that ask for them (after the logits processors, before
         a temperature), which go to their ``logprobs``."""
@@ -234,7 +234,7 @@ class Decoder:
                                     for b, m in enumerate(members)])
             self.feed.copy_(self.sampling.choose(logits)[:, None])  # the tokens fed next, in place
             self.position.add_(1)
-        tokens = self._read(members, logits, self.feed.flatten())  # the step's one read on the host: who has finished
+        tokens = self._chosen(members, logits, self.feed.flatten())  # the step's one read on the host: who has finished
         at = now(self.device)
         self.steps += 1
         kv = self.device_bytes()
@@ -266,6 +266,11 @@ class Decoder:
         self._changed()
         for m in members:
             m.ids = None
+
+
+def position_rows(model) -> int:
+    """Rows of a model's position ids: 4 with mRoPE (the text position, then 3 rotary ones), else 1."""
+    return 4 if rope_owner(model) is not None else 1
 
 
 def text_positions(rows: int, seen: int, count: int, delta: int, device) -> torch.Tensor:

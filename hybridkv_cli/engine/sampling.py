@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,15 @@ class Sampling:
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError("top_p must be above 0 and at most 1")
         if not -2**63 <= self.seed < 2**64:
-            raise ValueError("seed must be a 64-bit integer")
+            raise ValueError("the seed must be a 64-bit integer")
+
+    @classmethod
+    def of(cls, temperature: float, top_p: float = 1.0, seed: int | None = None) -> Sampling:
+        """A request's sampling: greedy at temperature 0, else drawn with ``seed`` or a fresh one
+        (which the record names, so the answer can be drawn again)."""
+        if temperature == 0:
+            return GREEDY
+        return cls(temperature, top_p, secrets.randbits(63) if seed is None else seed)
 
     @property
     def greedy(self) -> bool:

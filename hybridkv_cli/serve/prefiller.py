@@ -73,9 +73,10 @@ class Prefiller:
             ticket = self._next(self.misses)
             if ticket is None:
                 continue
+            kept = self.cache.get(ticket.key, count=False) is not None or (
+                self.store is not None and self.store.path(ticket.key).is_file())
             with self._lock:
-                wanted = ticket.key not in self._building and self.cache.get(ticket.key, count=False) is None and \
-                    (self.store is None or not self.store.path(ticket.key).is_file())
+                wanted = not kept and ticket.key not in self._building
                 if wanted:
                     self._building.add(ticket.key)
             if wanted:

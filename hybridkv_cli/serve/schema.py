@@ -14,7 +14,6 @@ is part of the kept prefix.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from typing import Annotated, Literal, Union
 
@@ -102,7 +101,7 @@ class Chat:
     stop: tuple[str, ...]
     method: str | None
     budget: float | None
-    sampling: Sampling | None = None  # None: greedy
+    sampling: Sampling | None = None  # how its tokens are drawn (greedy at temperature 0; None: the server's)
     logprobs: int | None = None  # the answer tokens' log probabilities with this many alternatives (None: none)
 
 
@@ -135,7 +134,8 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
     return Chat(question=question, context=context, history=history, system=system, media=media, stream=chat.stream,
                 include_usage=bool(chat.stream_options and chat.stream_options.include_usage),
                 max_tokens=chat.max_tokens or chat.max_completion_tokens, stop=stop, method=choice.method,
-                budget=choice.budget, sampling=_sampling(chat),
+                budget=choice.budget,
+                sampling=Sampling.of(chat.temperature or 0.0, 1.0 if chat.top_p is None else chat.top_p, chat.seed),
                 logprobs=(chat.top_logprobs or 0) if chat.logprobs else None)
 
 
@@ -169,15 +169,6 @@ def _served_choices(chat: ChatBody) -> None:
         if value is not None and value != served:
             raise bad_request(f"{name} {value:g} is not served (give {served} or leave it out)", name,
                               "unsupported_value")
-
-
-def _sampling(chat: ChatBody) -> Sampling | None:
-    """How the answer's tokens are drawn: None (greedy) unless ``temperature`` is above 0; the
-    request's ``seed``, else a fresh one (the response says which)."""
-    if not chat.temperature:
-        return None
-    seed = chat.seed if chat.seed is not None else secrets.randbits(63)
-    return Sampling(chat.temperature, 1.0 if chat.top_p is None else chat.top_p, seed)
 
 
 def _system(messages: list[Message]) -> tuple[str | None, int]:
