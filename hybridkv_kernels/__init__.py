@@ -4,7 +4,8 @@ Public ops (each takes ``backend="auto" | "torch" | "triton"``, see :mod:`.dispa
 
 - :func:`ragged_decode_attention` -- split-KV decode attention over the per-head ragged store
   plus generated tokens; :func:`dense_decode_attention` runs a full cache through it, and
-  :func:`batched_decode_attention` the stores of several sequences in one launch.
+  :func:`batched_decode_attention` the stores of several sequences in one launch and
+  :func:`chunk_decode_attention` their chunks (a question read after each prefix) in one.
 - :func:`chunk_topk` -- landmark scores (max over the query group) and top-k chunk ids.
 - :func:`quant_key_topk` -- the same from every token's key at 2 bits per channel
   (:func:`pack_keys`): a chunk scores as its best token.
@@ -27,6 +28,7 @@ from .chunk_gather import chunk_gather, chunk_gather_torch, chunk_gather_triton,
 from .chunk_topk import chunk_scores_torch, chunk_topk, chunk_topk_torch, chunk_topk_triton
 from .decode_attention import (
     batched_decode_attention,
+    chunk_decode_attention,
     decode_split_heuristic,
     dense_decode_attention,
     ragged_decode_attention,
@@ -48,6 +50,7 @@ __all__ = [
     "RetrievalTable",
     "SegmentTable",
     "batched_decode_attention",
+    "chunk_decode_attention",
     "candidate_key_scores_torch",
     "candidate_key_topk",
     "HAS_TRITON",

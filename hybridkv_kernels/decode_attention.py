@@ -35,6 +35,7 @@ from .segments import RaggedKV, SegmentTable, segment_table
 
 __all__ = [
     "batched_decode_attention",
+    "chunk_decode_attention",
     "dense_decode_attention",
     "ragged_decode_attention",
     "ragged_decode_attention_torch",
@@ -250,16 +251,34 @@ def ragged_decode_attention(q, keys, values, offsets, lengths, gen_k=None, gen_v
         return ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, scale, q_len)
     if q_len == 1:
         return _launch(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, scale, max_length=max_length)
-    check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, q_len)
-    H, rows, d = q.shape
     if max_length is None:
-        max_length = int(lengths.max()) if H else 0
-    # one view of the store per position, with the generated rows that position sees
-    views = [RaggedKV(keys, values, offsets, lengths, gen_k, gen_v, n_gen - q_len + 1 + t, max_length)
-             for t in range(q_len)]
-    by_position = q.unflatten(1, (rows // q_len, q_len)).permute(2, 0, 1, 3).flatten(0, 1)  # [q_len * H, G, d]
-    out = batched_decode_attention(by_position, views, scale, backend="triton")
-    return out.unflatten(0, (q_len, H)).permute(1, 2, 0, 3).flatten(1, 2)
+        max_length = int(lengths.max()) if q.shape[0] else 0
+    store = RaggedKV(keys, values, offsets, lengths, gen_k, gen_v, n_gen, max_length)
+    return chunk_decode_attention([q], [store], [q_len], scale, backend="triton")[0]
+
+
+def chunk_decode_attention(queries: list, stores: list[RaggedKV], q_lens: list[int], scale=None,
+                           backend="auto") -> list:
+    """:func:`ragged_decode_attention` of several sequences' chunks (``queries[i]`` [H_i, G_i, d]
+    over ``stores[i]``, a chunk of ``q_lens[i]`` positions; the lengths may differ).
+
+    Triton attends every position of every chunk in one :func:`batched_decode_attention` launch:
+    position ``t`` of a chunk is a view of its store with the generated rows it sees. The torch
+    path attends each chunk alone (the reference, masked).
+    """
+    if not stores:
+        return []
+    if resolve_backend(backend, queries[0], stores[0].keys) != "triton":
+        return [ragged_decode_attention_torch(q, *s[:7], scale, q_len) for q, s, q_len in zip(queries, stores, q_lens)]
+    views, by_position = [], []
+    for q, s, q_len in zip(queries, stores, q_lens):
+        check_ragged(q, *s[:7], q_len)
+        views += [s._replace(n_gen=s.n_gen - q_len + 1 + t) for t in range(q_len)]
+        by_position.append(q.unflatten(1, (-1, q_len)).permute(2, 0, 1, 3).flatten(0, 1))  # [q_len * H, G, d]
+    out = batched_decode_attention(torch.cat(by_position), views, scale, backend="triton")
+    sizes = [q.shape[0] * q_len for q, q_len in zip(queries, q_lens)]
+    return [o.unflatten(0, (q_len, q.shape[0])).permute(1, 2, 0, 3).flatten(1, 2)
+            for o, q, q_len in zip(out.split(sizes), queries, q_lens)]
 
 
 def dense_decode_attention(q, k, v, gen_k=None, gen_v=None, n_gen=0, scale=None, backend="auto"):

@@ -77,6 +77,27 @@ def test_ragged_decode_attention_of_a_chunk(dtype, rtol):
     assert_close(ref, out, rtol, f"{dtype} chunk")
 
 
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_chunk_decode_attention_of_several_stores(dtype, rtol):
+    """Several sequences' chunks, of different lengths over stores of different shapes, in one
+    launch: each as the torch reference attends it alone."""
+    d, G = 32, 2
+    cases = [([5, 0, 33], 4, 3), ([130, 7, 1], 1, 1), ([2, 2, 2], 9, 6)]  # lengths, n_gen, q_len
+    queries, stores, refs = [], [], []
+    for i, (lens, n_gen, q_len) in enumerate(cases):
+        keys, values, offsets, lengths = _store(lens, d, dtype, seed=i)
+        gen_k, gen_v = (torch.randn(len(lens), n_gen + 2, d).to(dtype).to(DEV) for _ in range(2))
+        q = torch.randn(len(lens), G * q_len, d).to(dtype).to(DEV)
+        queries.append(q)
+        stores.append(hk.RaggedKV(keys, values, offsets, lengths, gen_k, gen_v, n_gen, max(lens)))
+        refs.append(hk.ragged_decode_attention_torch(*_f32(q, keys, values), offsets, lengths, *_f32(gen_k, gen_v),
+                                                     n_gen, q_len=q_len))
+    outs = hk.chunk_decode_attention(queries, stores, [c[2] for c in cases], backend="triton")
+    for i, (ref, out) in enumerate(zip(refs, outs)):
+        assert out.dtype == dtype and out.shape == queries[i].shape
+        assert_close(ref, out, rtol, f"{dtype} chunk {i}")
+
+
 def test_ragged_decode_default_heuristics_and_odd_d():
     d, G = 24, 7  # d not a power of two: padded to 32 and masked
     keys, values, offsets, lengths = _store([130, 0, 33], d, torch.float16, seed=1)

@@ -18,8 +18,10 @@ import torch
 
 from hybridkv_cli.compression import METHODS, make_policy
 from hybridkv_cli.compression.base import PrefillLayer
+from hybridkv_cli.compression.batch_cache import step_parts
 from hybridkv_cli.engine import generate
 from hybridkv_cli.models.prompt import build_prompt
+from hybridkv_kernels import chunk_decode_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 from demo_fixtures import cached_demo, demo, video  # noqa: E402,F401 - fixtures
@@ -30,8 +32,8 @@ CASES = {name: (name, {**needed(name), **({} if name == "full" else {"budget": 0
 CASES["hybridkv, dynamic heads"] = ("hybridkv", {"budget": 0.2, "theta": 1.0})
 
 
-def compressed(name: str, options: dict):
-    g = torch.Generator().manual_seed(0)
+def compressed(name: str, options: dict, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     visual = torch.zeros(N, dtype=torch.bool)
     visual[4:N - 16] = True
     layer = PrefillLayer(index=0, num_layers=2, query=torch.randn(HEADS, GROUP, N, DIM, generator=g),
@@ -72,6 +74,29 @@ def test_without_step_work_every_position_is_the_step_of_its_own_token(case):
         steps.append(k[:, t:t + 1], v[:, t:t + 1])
         one = steps.attend(q.unflatten(1, (GROUP, CHUNK))[:, :, t], scale)
         torch.testing.assert_close(out[:, :, t], one, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_chunks_of_several_members_attended_together_are_each_alone(case):
+    """A packed read's layer: the members' step work in one pass (their retrieval queries of
+    different group sizes padded to one) and their chunks in one attention give each member
+    the output and the state its own :meth:`LayerKV.attend` gives."""
+    lengths = [5, 1, 8]
+    layers = [compressed(*CASES[case], seed=i)[0] for i in range(len(lengths))]
+    alone = copy.deepcopy(layers)
+    scale = DIM ** -0.5
+    g = torch.Generator().manual_seed(3)
+    queries = [torch.randn(HEADS, GROUP * n, DIM, generator=g) for n in lengths]
+    for kv, other, n in zip(layers, alone, lengths):
+        k, v = torch.randn(2, HEADS, n, DIM, generator=g)
+        kv.append(k, v)
+        other.append(k, v)
+    outs = chunk_decode_attention(queries, step_parts(layers, queries, scale), lengths, scale)
+    for kv, other, q, n, out in zip(layers, alone, queries, lengths, outs):
+        torch.testing.assert_close(out, other.attend(q, scale, n), rtol=1e-5, atol=1e-5)
+        assert torch.equal(kv.store.keys, other.store.keys) and torch.equal(kv.store.values, other.store.values)
+        if kv.dynamic is not None:
+            assert torch.equal(kv.dynamic.resident, other.dynamic.resident)
 
 
 @pytest.mark.parametrize("method", ["hybridkv", "snapkv"])

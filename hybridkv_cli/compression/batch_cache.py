@@ -14,7 +14,8 @@ import torch
 from hybridkv_cli.compression.cache import AttendingCache, MembersLayer, PolicyCache
 from hybridkv_cli.compression.refresh import Refresher
 from hybridkv_cli.compression.retrieval import DynamicHeads
-from hybridkv_kernels import batched_decode_attention, resolve_backend, retrieval_table, segment_table
+from hybridkv_kernels import (RaggedKV, RetrievalTable, batched_decode_attention, resolve_backend, retrieval_table,
+                              segment_table)
 
 
 class BatchLayer(MembersLayer):
@@ -57,24 +58,42 @@ class BatchedKV:
         batch = self.batch
         layers = [cache.layers[self.index].kv for cache in batch.members]
         queries = query.split(query.shape[0] // len(layers))
-        dynamic = [(kv.dynamic, q, kv.store) for kv, q in zip(layers, queries) if kv.dynamic is not None]
-        counts = [batch.counts[b:b + 1] if batch.planned else None for b in range(len(layers))]
-        refreshed = [(kv.refresher, q, kv.store, count) for kv, q, count in zip(layers, queries, counts)
-                     if kv.refresher is not None]
         if not batch.planned:
-            DynamicHeads.refresh_all(dynamic, batch.backend)
-            Refresher.refresh_all(refreshed, scale)
-            return batched_decode_attention(query, [kv.segments(q, scale) for kv, q in zip(layers, queries)],
-                                            scale=scale, backend=batch.backend)
+            parts = step_parts(layers, queries, scale, batch.backend)
+            return batched_decode_attention(query, parts, scale=scale, backend=batch.backend)
         if self.plan is None:  # the members' first step: their tables, for every later one
-            one_pass = DynamicHeads.one_pass(dynamic)
+            one_pass = DynamicHeads.one_pass(dynamic_items(layers, queries))
             self.plan = (retrieval_table(DynamicHeads.parts(one_pass)) if one_pass else None,
                          segment_table([kv.store.segments() for kv in layers], batch.counts))
         retrieval, table = self.plan
-        DynamicHeads.refresh_all(dynamic, "triton", retrieval)
-        Refresher.refresh_all(refreshed, scale)  # the kernels read each member's count on the device
-        parts = [kv.segments(q, scale) for kv, q in zip(layers, queries)]
+        # the kernels read each member's count on the device
+        counts = [batch.counts[b:b + 1] for b in range(len(layers))]
+        parts = step_parts(layers, queries, scale, "triton", retrieval, counts)
         return batched_decode_attention(query, parts, scale=scale, backend="triton", table=table)
+
+
+def step_parts(layers: list, queries: list[torch.Tensor], scale: float, backend: str = "auto",
+               retrieval: RetrievalTable | None = None, counts: list | None = None) -> list[RaggedKV]:
+    """The step work of several sequences' layers (``queries[i]``: layer i's [H_kv, G_i, d], a
+    chunk's queries as one group), and what each then attends: the chunk retrieval of all their
+    dynamic heads in one pass (:meth:`DynamicHeads.refresh_all`; ``retrieval``: its table built
+    earlier), the refresh of their pruned heads (:meth:`Refresher.refresh_all`; ``counts``: each
+    one's generated rows on the device, None: its store's count), then each one's
+    :meth:`LayerKV.segments`."""
+    DynamicHeads.refresh_all(dynamic_items(layers, queries), backend, retrieval)
+    counts = counts or [None] * len(layers)
+    Refresher.refresh_all([(kv.refresher, q, kv.store, count) for kv, q, count in zip(layers, queries, counts)
+                           if kv.refresher is not None], scale)
+    return [kv.segments(q, scale) for kv, q in zip(layers, queries)]
+
+
+def dynamic_items(layers: list, queries: list[torch.Tensor]) -> list[tuple]:
+    """``(heads, query, store)`` of the layers with dynamic heads, for one retrieval pass: their
+    queries in one group size, a smaller group (a shorter chunk) padded with copies of its last
+    row -- a ranking scores a chunk by its best row, which a copy does not change."""
+    rows = max(q.shape[1] for q in queries)
+    return [(kv.dynamic, q if q.shape[1] == rows else torch.cat([q, q[:, -1:].expand(-1, rows - q.shape[1], -1)], 1),
+             kv.store) for kv, q in zip(layers, queries) if kv.dynamic is not None]
 
 
 class BatchCache(AttendingCache):

@@ -5,6 +5,9 @@ sequence, side by side: the projections, norms and MLPs of every layer run once 
 tokens, while each member's span of new keys and values goes to its own cache and its span of
 queries attends only that cache, as one chunk (:meth:`LayerKV.attend`, as in a read alone). So
 no member sees another's tokens, and each gets the logits it gets alone (tested token for token).
+The members' step work and attention run together, as a batch step's do: one retrieval pass for
+all their dynamic heads and one attention launch for all their chunks (on the CPU, the chunks one
+by one).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from itertools import accumulate
 
 import torch
 
+from hybridkv_cli.compression.batch_cache import step_parts
 from hybridkv_cli.compression.cache import AttendingCache, MembersLayer, PolicyCache
+from hybridkv_kernels import chunk_decode_attention
 
 
 class PackedLayer(MembersLayer):
@@ -30,7 +35,7 @@ class PackedCache(AttendingCache):
     each, in that order along the sequence (see the module docstring)."""
 
     def __init__(self, members: list[PolicyCache], lengths: list[int]):
-        self.members = members
+        self.members, self.lengths = members, list(lengths)
         ends = list(accumulate(lengths))
         self.spans = list(zip([0, *ends[:-1]], ends))
         super().__init__([PackedLayer(i, self) for i in range(len(members[0].layers))])
@@ -41,7 +46,12 @@ class PackedCache(AttendingCache):
         return torch.tensor([end - 1 for _, end in self.spans], dtype=torch.long)
 
     def attention(self, module, query, key, value, attention_mask, scaling, dropout, kwargs):
-        outs = [cache.attention(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                None, scaling, dropout, kwargs)[0]
-                for cache, (start, end) in zip(self.members, self.spans)]
-        return torch.cat(outs, dim=1), None
+        """Each member's span of queries attends its own layer as one chunk (:meth:`LayerKV.attend`
+        of each alone): the step work of all of them in one pass (:func:`step_parts`), then all
+        their chunks in one attention (:func:`chunk_decode_attention`)."""
+        heads, dim = key.shape[1], query.shape[-1]
+        layers = [cache.layers[module.layer_idx].kv for cache in self.members]
+        # each member's [H_kv, G * q_len, d], row g * q_len + t: one sequence's chunk
+        queries = [query[0, :, start:end].reshape(heads, -1, dim) for start, end in self.spans]
+        outs = chunk_decode_attention(queries, step_parts(layers, queries, scaling), self.lengths, scaling)
+        return torch.cat([o.reshape(1, -1, n, dim).transpose(1, 2) for o, n in zip(outs, self.lengths)], dim=1), None
