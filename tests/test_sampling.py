@@ -74,6 +74,14 @@ def test_bad_sampling_is_refused(bad):
         Sampling(**{"temperature": 1.0, **bad})
 
 
+def test_the_nth_of_several_answers_draws_with_the_seed_plus_n():
+    """OpenAI's n: answer i of a request draws with its seed + i (64 bits, wrapping); greedy stays greedy."""
+    drawn = Sampling(1.0, 0.5, 2**64 - 2)
+    assert drawn.nth(0) is drawn and drawn.nth(1).seed == 2**64 - 1 and drawn.nth(3).seed == 1
+    assert drawn.nth(3).temperature == 1.0 and drawn.nth(3).top_p == 0.5
+    assert Sampling(1.0, 1.0, -1).nth(1).seed64 == 0 and GREEDY.nth(5) is GREEDY
+
+
 def test_a_sampled_answer_is_the_same_alone_in_any_batch_and_again(demo, video):
     """Through the engine on the demo: a seed's answer alone, beside others joining as room frees
     (batch of 2 over 5 jobs), and again, token for token; temperature 0 is the greedy answer."""

@@ -307,6 +307,35 @@ def test_a_sampled_answer_is_drawn_again_by_its_seed_and_equals_the_librarys(ser
     assert greedy.model_extra["hybridkv"]["sampling"] is None
 
 
+def test_n_answers_are_each_drawn_by_its_seed_streamed_or_not(server, client):
+    """n: several answers to one request, each over its own copy of the one kept prefix; sampled,
+    answer i is the one request of seed + i gives; streamed, each answer's chunks carry its index
+    and end with its finish reason; usage counts the prompt once and every answer's tokens."""
+    _, expected = server
+    question = QUESTIONS[2]  # the digit: the demo draws it apart at temperature 2 for some seeds
+    ask = lambda **kw: client.chat.completions.create(model="demo", messages=video_message("needle.mp4", question),
+                                                      temperature=2.0, max_tokens=8, **kw)
+    several = ask(n=4, seed=12)
+    texts = [c.message.content for c in several.choices]
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    assert texts == [ask(seed=12 + i).choices[0].message.content for i in range(4)]
+    assert len(set(texts)) > 1  # drawn apart at this temperature
+    alone = [ask(seed=12 + i).usage for i in range(4)]
+    assert several.usage.prompt_tokens == alone[0].prompt_tokens
+    assert several.usage.completion_tokens == sum(u.completion_tokens for u in alone)
+    chunks = stream_answer(client, video_message("needle.mp4", question), temperature=2.0, max_tokens=8, n=4,
+                           seed=12)[2]
+    streamed = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(4)}
+    assert [streamed[i] for i in range(4)] == texts
+    ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(e.index for e in ends) == [0, 1, 2, 3]
+    assert all(sum(1 for c in chunks if c.choices and c.choices[0].index == i and c.choices[0].delta.role) == 1
+               for i in range(4))  # each answer's first chunk names the role, once
+    greedy = client.chat.completions.create(model="demo", messages=video_message("needle.mp4", question), n=2)
+    assert [c.message.content for c in greedy.choices] == [expected[(NEEDLE.name, question)]] * 2
+
+
 def test_logprobs_are_the_stock_models_streamed_or_not(server, client):
     """logprobs / top_logprobs: each answer token's log probability and best alternatives, as the
     stock model's own scores give them (method full), in the response or on a stream's last chunk."""
@@ -570,7 +599,8 @@ REFUSALS = {
     "10k messages": (lambda: {"model": "demo", "messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, None),
     "max_tokens over the context": (lambda: _good(max_tokens=40_000), 400, "context_length_exceeded"),
     "max_tokens beside the prompt": (lambda: _good(max_tokens=32_700), 400, "context_length_exceeded"),
-    "several choices": (lambda: _good(n=2), 400, "unsupported_value"),
+    "too many choices": (lambda: _good(n=17), 400, None),
+    "no choice": (lambda: _good(n=0), 400, None),
     "a penalty": (lambda: _good(frequency_penalty=0.5), 400, "unsupported_value"),
     "temperature above 2": (lambda: _good(temperature=2.5), 400, None),
     "top_p of 0": (lambda: _good(temperature=1, top_p=0), 400, None),

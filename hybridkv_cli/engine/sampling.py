@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,6 +48,11 @@ class Sampling:
         if temperature == 0:
             return GREEDY
         return cls(temperature, top_p, secrets.randbits(63) if seed is None else seed)
+
+    def nth(self, index: int) -> Sampling:
+        """The sampling of answer ``index`` of several to one request (OpenAI's ``n``): its seed +
+        ``index``, modulo 2**64, so each is drawn again alone with that seed (answer 0: this one)."""
+        return self if self.greedy or index == 0 else replace(self, seed=(self.seed + index) % 2**64)
 
     @property
     def greedy(self) -> bool:

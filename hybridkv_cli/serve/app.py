@@ -143,44 +143,58 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
         return worker.ticket(chat, resolve_all(chat.media, settings), loop)
 
     async def completed(ticket: Ticket, event, request: Request) -> Response:
-        while event is not None and event[0] == "delta":
+        while event is not None and event[0] in ("delta", "end"):
             event = await next_event(ticket, request)
         if event is None:
             return Response(status_code=499)
         kind, data = event
         if kind == "error":
             raise data
-        choice = {"index": 0, "message": {"role": "assistant", "content": data["text"], "refusal": None},
-                  "finish_reason": data["finish_reason"], "logprobs": data["logprobs"]}
+        choices = [{"index": i, "message": {"role": "assistant", "content": r["text"], "refusal": None},
+                    "finish_reason": r["finish_reason"], "logprobs": r["logprobs"]} for i, r in enumerate(data["choices"])]
         return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                             "created": int(time.time()), "model": settings.model_id, "choices": [choice],
+                             "created": int(time.time()), "model": settings.model_id, "choices": choices,
                              "usage": data["usage"], "hybridkv": data["hybridkv"]})
 
     def streamed(ticket: Ticket, first) -> StreamingResponse:
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(delta: dict, reason: str | None = None, logprobs: dict | None = None, **extra) -> str:
-            choices = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}] \
-                if delta is not None else []
+        def chunk(index: int | None, delta: dict, reason: str | None = None, logprobs: dict | None = None,
+                  **extra) -> str:
+            choices = [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}] \
+                if index is not None else []
             body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": settings.model_id,
                     "choices": choices, **extra}
             return f"data: {json.dumps(body)}\n\n"
 
         async def events():
+            started = set()  # the answers whose first chunk (with the role) has gone
+
+            def text(index: int, content: str) -> str:
+                role = {} if index in started else {"role": "assistant"}
+                started.add(index)
+                return chunk(index, {**role, "content": content})
+
+            def ending(index: int, result: dict, **extra):
+                if result["delta"] or index not in started:
+                    yield text(index, result["delta"])
+                # the answer's log probabilities, all of them, on the chunk that ends it
+                yield chunk(index, {}, result["finish_reason"], result["logprobs"], **extra)
+
             try:
                 kind, data = first
-                role = {"role": "assistant"}  # in the first chunk, with the first text
                 while True:
                     if kind == "delta":
-                        yield chunk({**role, "content": data})
-                        role = {}
+                        yield text(*data)
+                    elif kind == "end":
+                        for part in ending(*data):
+                            yield part
                     elif kind == "done":
-                        if data["delta"] or role:
-                            yield chunk({**role, "content": data["delta"]})
-                        # the answer's log probabilities, all of them, on the chunk that ends it
-                        yield chunk({}, data["finish_reason"], data["logprobs"], hybridkv=data["hybridkv"])
+                        last = data["last"]
+                        for part in ending(last, data["choices"][last], hybridkv=data["hybridkv"]):
+                            yield part
                         if ticket.chat.include_usage:
-                            yield chunk(None, usage=data["usage"])
+                            yield chunk(None, {}, usage=data["usage"])
                         break
                     else:  # an error after the response began: the stream's last event says so
                         yield f"data: {json.dumps(data.body())}\n\n"

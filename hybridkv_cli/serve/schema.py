@@ -5,7 +5,8 @@ one), then read into what the engine answers: a conversation whose first user me
 media (its image / video parts) and the first question, then, as a chat goes on, the assistant's
 answers and the user's next questions as text; the last message is the question answered. What
 the engine cannot do is refused with a 400 naming the field, never silently ignored: penalties,
-several choices, tools, media after the first message. ``logprobs`` / ``top_logprobs`` give each
+tools, media after the first message. ``n`` answers (at most :data:`MAX_CHOICES`) each decode a
+copy of the one kept prefix; sampled, answer ``i`` draws with the seed + ``i``. ``logprobs`` / ``top_logprobs`` give each
 answer token's log probability and its best alternatives. ``temperature`` above 0
 samples (with ``top_p``), from ``seed`` or a seed drawn for the request; left out, it is 0: greedy,
 as the CLI answers. A system (or developer) message may come first: it is rendered before the media, so it
@@ -22,6 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from hybridkv_cli.engine.sampling import MAX_TEMPERATURE, Sampling
 from hybridkv_cli.serve.errors import ApiError, bad_request
 from hybridkv_cli.serve.settings import ServeSettings
+
+#: most answers one request may ask for (``n``): each decodes its own copy of the kept prefix
+MAX_CHOICES = 16
 
 
 class _Strict(BaseModel):
@@ -75,7 +79,7 @@ class ChatBody(_Strict):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: Union[str, list[str], None] = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -103,6 +107,7 @@ class Chat:
     budget: float | None
     sampling: Sampling | None = None  # how its tokens are drawn (greedy at temperature 0; None: the server's)
     logprobs: int | None = None  # the answer tokens' log probabilities with this many alternatives (None: none)
+    choices: int = 1  # answers to give (OpenAI's n), each over its own copy of the one kept prefix
 
 
 def parse_chat(body, settings: ServeSettings) -> Chat:
@@ -119,7 +124,7 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
     if chat.model != settings.model_id:
         raise ApiError(404, f"the model '{chat.model}' does not exist; this server serves '{settings.model_id}'",
                        param="model", code="model_not_found")
-    _served_choices(chat)
+    _no_penalties(chat)
     system, first = _system(chat.messages)
     question, context, media, history = _conversation(chat.messages[first:], settings, first)
     stop = (chat.stop,) if isinstance(chat.stop, str) else tuple(chat.stop or ())
@@ -136,7 +141,7 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
                 max_tokens=chat.max_tokens or chat.max_completion_tokens, stop=stop, method=choice.method,
                 budget=choice.budget,
                 sampling=Sampling.of(chat.temperature or 0.0, 1.0 if chat.top_p is None else chat.top_p, chat.seed),
-                logprobs=(chat.top_logprobs or 0) if chat.logprobs else None)
+                logprobs=(chat.top_logprobs or 0) if chat.logprobs else None, choices=chat.n or 1)
 
 
 _BRANCHES = {"str", "int", "float", "bool", "none"}  # how pydantic names the branches of a union in a location
@@ -161,10 +166,9 @@ def _refusal(error: ValidationError) -> ApiError:
     return bad_request(f"{where}: {problem['msg']}", where or None)
 
 
-def _served_choices(chat: ChatBody) -> None:
-    """One choice and no penalties: another value is refused."""
-    plain = {"n": (chat.n, 1), "presence_penalty": (chat.presence_penalty, 0),
-             "frequency_penalty": (chat.frequency_penalty, 0)}
+def _no_penalties(chat: ChatBody) -> None:
+    """No penalties: another value is refused."""
+    plain = {"presence_penalty": (chat.presence_penalty, 0), "frequency_penalty": (chat.frequency_penalty, 0)}
     for name, (value, served) in plain.items():
         if value is not None and value != served:
             raise bad_request(f"{name} {value:g} is not served (give {served} or leave it out)", name,

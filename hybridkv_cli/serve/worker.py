@@ -52,7 +52,9 @@ log = logging.getLogger("hybridkv.serve")
 @dataclass(eq=False)
 class Ticket:
     """One request on its way through the worker; events go back to the request's event loop:
-    ``("delta", text)``, then ``("done", result)`` or ``("error", ApiError)``."""
+    ``("delta", (index, text))`` of its answers (``n`` of them, OpenAI's choices), ``("end",
+    (index, result))`` as each but the last ends, then ``("done", summary)`` or ``("error",
+    ApiError)``."""
 
     chat: Chat
     refs: list[MediaRef]
@@ -66,13 +68,27 @@ class Ticket:
     prefix: object = None  # its compressed prefix, once the prefill thread made it (or found it made)
     prepared: object = None  # its prompt, built by the media thread for the prefill thread
     failure: BaseException | None = None  # why its prefix could not be made
-    text: AnswerText | None = None
+    results: list = field(default_factory=list)  # each answer's result as it ends (None: decoding)
+    failed: bool = False  # an answer failed: the request's error is sent, its other answers stop
+
+    @property
+    def stopped(self) -> bool:
+        return self.cancelled or self.failed
 
     def send(self, kind: str, data) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
         except RuntimeError:  # the request's loop is closed: nobody is listening
             self.cancelled = True
+
+
+@dataclass(eq=False)
+class Answer:
+    """Answer ``index`` of a ticket's ``n``: the tag of its decode job."""
+
+    ticket: Ticket
+    index: int
+    text: AnswerText
 
 
 class Worker:
@@ -180,8 +196,7 @@ class Worker:
                         self._finish(outcome)
                     except Exception:  # this answer's record or text failed: its request alone gets a 500
                         log.exception("answering a request failed")
-                        self.inflight.discard(outcome.job.tag)
-                        outcome.job.tag.send("error", from_error(RuntimeError()))
+                        self._fail(outcome.job.tag.ticket, from_error(RuntimeError()))
             except Exception:  # a bug in the loop: fail what was in flight and go on serving
                 log.exception("the decode loop failed; its requests get a 500")
                 for ticket in self.inflight:
@@ -220,20 +235,24 @@ class Worker:
                     continue
                 self.cache.count(hit=True)
                 ticket.cache_hit = True
-            self.active += 1
+            self.active += ticket.chat.choices
             self.inflight.add(ticket)
-            yield ticket, lambda ticket=ticket: self._job(ticket)
+            ticket.results = [None] * ticket.chat.choices
+            for index in range(ticket.chat.choices):  # each a job over its own copy of the one prefix
+                answer = Answer(ticket, index, AnswerText(self._decode, ticket.chat.stop))
+                yield answer, lambda answer=answer: self._job(answer)
 
-    def _job(self, ticket: Ticket) -> Job:
+    def _job(self, answer: Answer) -> Job:
+        ticket = answer.ticket
         chat = ticket.chat
         if ticket.failure is not None:
             raise ticket.failure
         prefix = ticket.prefix
         ticket.refs = []  # decoded: the bytes can go
-        ticket.text = AnswerText(self._decode, chat.stop)
+        sampling = chat.sampling.nth(answer.index) if chat.sampling else None
         request = Request(ticket, (chat.question,), prefix=prefix, max_new_tokens=chat.max_tokens, label="request",
-                          history=chat.history, sampling=chat.sampling, logprobs=chat.logprobs)
-        return self.session.question_job(prefix, request, 0, tag=ticket)
+                          history=chat.history, sampling=sampling, logprobs=chat.logprobs)
+        return self.session.question_job(prefix, request, 0, tag=answer)
 
     def _decode(self, ids: list[int]) -> str:
         return self.session.model().tokenizer.decode(ids, skip_special_tokens=True)
@@ -242,45 +261,72 @@ class Worker:
         """After a step: new text to streaming clients; the members to stop (client gone, stop string)."""
         stop = []
         for m in members:
-            ticket = m.job.tag
-            if ticket.cancelled:
+            answer = m.job.tag
+            ticket = answer.ticket
+            if ticket.stopped:
                 stop.append(m)
-                self.metrics.cancel()
+                if ticket.cancelled:
+                    self.metrics.cancel()
             elif ticket.chat.stream or ticket.chat.stop:
-                delta = ticket.text.update(m.tokens)
+                delta = answer.text.update(m.tokens)
                 if delta and ticket.chat.stream:
-                    ticket.send("delta", delta)
-                if ticket.text.stopped:
+                    ticket.send("delta", (answer.index, delta))
+                if answer.text.stopped:
                     stop.append(m)
         self.metrics.decoding(len(members) - len(stop), sum(m.bytes for m in members if m not in stop))
         return stop
 
     def _finish(self, outcome) -> None:
-        ticket: Ticket = outcome.job.tag
-        self.inflight.discard(ticket)
+        answer: Answer = outcome.job.tag
+        ticket = answer.ticket
         if self.active == 0:
             self.metrics.decoding(0, 0)
-        if ticket.cancelled:  # stopped early: its tokens still count as generated
+        if ticket.stopped:  # stopped early: its tokens still count as generated
             if outcome.generation is not None:
                 self.metrics.answered(0, len(outcome.generation.tokens))
+            self._ended(ticket, answer.index)
             return
         if outcome.error is not None:
             error = from_error(failure("request", outcome.error))
             if error.status == 500:  # not one of the package's one-line errors: the log keeps its traceback
                 log.error("request failed", exc_info=outcome.error)
-            ticket.send("error", error)
+            self._fail(ticket, error)
             return
         job, run = outcome.job, outcome.generation
         prefix = job.prefix
         record = self.session.record(outcome)  # as ask -Q makes it
-        delta = ticket.text.finish(run.tokens)
+        text = answer.text
+        delta = text.finish(run.tokens)
         limit = job.max_new_tokens or self.session.options.max_new_tokens
         ended = bool(run.tokens) and run.tokens[-1] in self.eos
-        reason = "length" if not ticket.text.stopped and not ended and len(run.tokens) >= limit else "stop"
+        reason = "length" if not text.stopped and not ended and len(run.tokens) >= limit else "stop"
         prompt_tokens = prefix.seen + len(job.suffix)
-        self.metrics.answered(prompt_tokens, len(run.tokens))
+        self.metrics.answered(0 if answer.index else prompt_tokens, len(run.tokens))
         probs = None if run.logprobs is None else logprobs(self.session.model().tokenizer, run.tokens, run.logprobs,
-                                                           ticket.text.sent)
-        ticket.send("done", {"text": ticket.text.sent, "delta": delta, "finish_reason": reason, "logprobs": probs,
-                             "usage": usage(prompt_tokens, len(run.tokens), prefix.seen if ticket.cache_hit else 0),
-                             "hybridkv": hybridkv_info(record, ticket.cache_hit, ticket.tier, prefix.prefill_s)})
+                                                           text.sent)
+        ticket.results[answer.index] = {"text": text.sent, "delta": delta, "finish_reason": reason, "logprobs": probs,
+                                        "tokens": len(run.tokens), "record": record}
+        if not self._ended(ticket, answer.index):
+            ticket.send("end", (answer.index, ticket.results[answer.index]))
+            return
+        first = ticket.results[0]["record"]  # every answer's prefix and options are the request's
+        ticket.send("done", {"choices": ticket.results, "last": answer.index,
+                             "usage": usage(prompt_tokens, sum(r["tokens"] for r in ticket.results),
+                                            prefix.seen if ticket.cache_hit else 0),
+                             "hybridkv": hybridkv_info(first, ticket.cache_hit, ticket.tier, prefix.prefill_s)})
+
+    def _ended(self, ticket: Ticket, index: int) -> bool:
+        """Answer ``index`` of ``ticket`` has ended; whether it was the last (the ticket leaves)."""
+        if ticket.results[index] is None:
+            ticket.results[index] = {}
+        if any(r is None for r in ticket.results):
+            return False
+        self.inflight.discard(ticket)
+        return True
+
+    def _fail(self, ticket: Ticket, error: ApiError) -> None:
+        """``ticket``'s error, sent once; its other answers stop at the next step."""
+        if not ticket.failed:
+            ticket.failed = True
+            ticket.send("error", error)
+        self.inflight.discard(ticket)
