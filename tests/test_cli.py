@@ -131,6 +131,10 @@ def clip(tmp_path_factory):
     (["{clip}", "q", "--temperature", "nan"], "error: --temperature: temperature must be between 0 and 2"),
     (["{clip}", "q", "--temperature", "1", "--top-p", "0"], "error: --top-p: top_p must be above 0 and at most 1"),
     (["{clip}", "q", "--temperature", "1", "--seed", str(2**64)], "error: --seed: the seed must be a 64-bit integer"),
+    (["{clip}", "q", "--presence-penalty", "-2.5"],
+     "error: --presence-penalty: presence_penalty must be between -2 and 2"),
+    (["{clip}", "q", "--frequency-penalty", "inf"],
+     "error: --frequency-penalty: frequency_penalty must be between -2 and 2"),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, reason, clip, capsys):
     code = cli.run(["ask", *[a.format(clip=clip) for a in argv], "--model", "demo"])

@@ -89,7 +89,8 @@ def test_a_sampled_answer_is_the_same_alone_in_any_batch_and_again(demo, video):
     template = QuestionTemplate.of(demo.processor.tokenizer, p, TEMPLATE_QUESTION)
     prefix = compress_prefix(demo.model, p, make_policy("hybridkv"), template)
     suffix = template.suffix(demo.processor.tokenizer, "What happens in the video?")
-    samplings = [Sampling(1.5, 1.0, 1), Sampling(1.5, 0.9, 2), GREEDY, Sampling(1.5, 1.0, 3), Sampling(0.0, 0.5, 4)]
+    samplings = [Sampling(1.5, 1.0, 1), Sampling(1.5, 0.9, 2), GREEDY, Sampling(1.5, 1.0, 3), Sampling(0.0, 0.5, 4),
+                 Sampling(0.0, 1.0, 0, -2.0, 0.0), Sampling(1.5, 1.0, 1, -2.0, -2.0)]
 
     def run(chosen: list, batch: int) -> list[list[int]]:
         jobs = [(i, lambda i=i, s=s: Job(i, suffix, prefix=prefix, sampling=s)) for i, s in enumerate(chosen)]
@@ -101,6 +102,24 @@ def test_a_sampled_answer_is_the_same_alone_in_any_batch_and_again(demo, video):
     assert batched == [run([s], 1)[0] for s in samplings] == run(samplings, 5)
     assert batched[2] == batched[4]  # temperature 0: greedy, whatever its top_p and seed
     assert len({tuple(t) for t in (batched[0], batched[1], batched[3], batched[2])}) > 1
+    # a penalty changes the answer (a negative one: the demo's greedy answer holds no repeat to lower)
+    assert batched[5] != batched[2] and batched[5][3] == batched[5][2]
+
+
+def test_penalties_lower_the_tokens_an_answer_has_generated():
+    """OpenAI's penalties: a token the answer holds loses the presence penalty once and the
+    frequency penalty per time it was generated; the counts advance with each chosen token."""
+    from hybridkv_cli.engine.sampling import BatchSampling
+
+    logits = torch.zeros(3, 10)
+    logits[:, 5], logits[:, 6] = 3.0, 2.0  # 5 by a margin of 1 over 6
+    penalised = [GREEDY, Sampling(0.0, 1.0, 0, 1.5, 0.0), Sampling(0.0, 1.0, 0, 0.0, 0.6)]
+    batch = BatchSampling(torch.device("cpu"), penalised, [[5], [5], [5]], 10)
+    assert batch.choose(logits).tolist() == [5, 6, 5]  # presence 1.5 > 1; frequency 0.6 x 1 < 1
+    assert batch.choose(logits).tolist() == [5, 5, 6]  # both held once: presence cancels; 5 twice: 1.2 > 1
+    assert batch.counts[2, 5] == 2 and batch.counts[2, 6] == 1 and batch.drawn.tolist() == [3, 3, 3]
+    batch.keep([0], torch.tensor([0]))
+    assert batch.counts is None  # nobody penalised: no counts kept
 
 
 def test_a_batch_draw_reads_nothing_on_the_host():
@@ -109,7 +128,8 @@ def test_a_batch_draw_reads_nothing_on_the_host():
 
     from hybridkv_cli.engine.sampling import BatchSampling
 
-    batch = BatchSampling(torch.device("cpu"), [Sampling(1.0, 0.9, 1), GREEDY, Sampling(0.5, 1.0, 2)], [1, 4, 2])
+    batch = BatchSampling(torch.device("cpu"), [Sampling(1.0, 0.9, 1), GREEDY, Sampling(0.5, 1.0, 2, 0.5, 1.0)],
+                          [[3], [1, 2, 3, 4], [7, 7]], 500)
     logits = torch.randn(3, 500)
     with OpWatch() as watch:
         tokens = batch.choose(logits)

@@ -336,6 +336,25 @@ def test_n_answers_are_each_drawn_by_its_seed_streamed_or_not(server, client):
     assert [c.message.content for c in greedy.choices] == [expected[(NEEDLE.name, question)]] * 2
 
 
+def test_penalties_are_the_librarys_and_named_in_the_response(server, client):
+    """presence_penalty / frequency_penalty: the answer the library gives with the same sampling,
+    greedy too; the response's hybridkv.sampling names them."""
+    from hybridkv_cli.engine.sampling import Sampling
+    from hybridkv_cli.runs.inputs import Item
+    from hybridkv_cli.runs.requests import Request
+
+    _, expected = server
+    question = QUESTIONS[2]
+    reply = client.chat.completions.create(model="demo", messages=video_message("needle.mp4", question),
+                                           presence_penalty=-2, frequency_penalty=0.5, max_tokens=8)
+    sampling = Sampling(0.0, 1.0, 0, -2.0, 0.5)
+    [library] = expected["session"].answer([Request(questions=(question,), item=Item((str(NEEDLE),)), shared=True,
+                                                    max_new_tokens=8, sampling=sampling)])
+    assert reply.choices[0].message.content == library.record["answer"]
+    assert reply.model_extra["hybridkv"]["sampling"] == library.record["sampling"] == {
+        "temperature": 0.0, "top_p": 1.0, "seed": 0, "presence_penalty": -2.0, "frequency_penalty": 0.5}
+
+
 def test_logprobs_are_the_stock_models_streamed_or_not(server, client):
     """logprobs / top_logprobs: each answer token's log probability and best alternatives, as the
     stock model's own scores give them (method full), in the response or on a stream's last chunk."""
@@ -601,7 +620,7 @@ REFUSALS = {
     "max_tokens beside the prompt": (lambda: _good(max_tokens=32_700), 400, "context_length_exceeded"),
     "too many choices": (lambda: _good(n=17), 400, None),
     "no choice": (lambda: _good(n=0), 400, None),
-    "a penalty": (lambda: _good(frequency_penalty=0.5), 400, "unsupported_value"),
+    "a penalty over 2": (lambda: _good(frequency_penalty=2.5), 400, None),
     "temperature above 2": (lambda: _good(temperature=2.5), 400, None),
     "top_p of 0": (lambda: _good(temperature=1, top_p=0), 400, None),
     "bad budget": (lambda: _good(hybridkv={"method": "snapkv", "budget": 1.5}), 400, None),

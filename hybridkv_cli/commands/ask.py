@@ -11,11 +11,11 @@ from typing import Optional
 import typer
 
 from hybridkv_cli.commands.options import (ALL_OPTIONS, ASK_ARGS, ASK_MODEL, BATCH_SIZE, CONTEXT, CUDA_GRAPHS, DEBUG,
-                                           DEFER, DEVICE, DTYPE, EACH, FPS, FRAMES, GPUS_PER_WORKER, JSON, JSONL,
-                                           KV_MEMORY, MAX_FRAMES, MAX_PIXELS, OUTPUT, QUESTION, QUESTIONS, QUIET, RAY,
-                                           RESUME, SEED, STREAM, STREAM_CHUNK, STREAM_KV_TOKENS, STREAM_WINDOW, SYSTEM,
-                                           TEMPERATURE, TOP_P, WORKERS, decode_limits, max_frames_arg, method_options,
-                                           sampling, streaming)
+                                           DEFER, DEVICE, DTYPE, EACH, FPS, FRAMES, FREQUENCY_PENALTY, GPUS_PER_WORKER,
+                                           JSON, JSONL, KV_MEMORY, MAX_FRAMES, MAX_PIXELS, OUTPUT, PRESENCE_PENALTY,
+                                           QUESTION, QUESTIONS, QUIET, RAY, RESUME, SEED, STREAM, STREAM_CHUNK,
+                                           STREAM_KV_TOKENS, STREAM_WINDOW, SYSTEM, TEMPERATURE, TOP_P, WORKERS,
+                                           decode_limits, max_frames_arg, method_options, sampling, streaming)
 from hybridkv_cli.io.console import err, print_warning, status
 from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.io.questions import split_args
@@ -30,6 +30,7 @@ def ask(
     fps: Optional[float] = FPS, max_pixels: Optional[int] = MAX_PIXELS,
     max_new_tokens: int = typer.Option(128, min=1, help="Answer length limit (tokens)."),
     temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: Optional[int] = SEED,
+    presence_penalty: float = PRESENCE_PENALTY, frequency_penalty: float = FREQUENCY_PENALTY,
     defer_question: bool = DEFER, device: str = DEVICE, dtype: str = DTYPE, as_json: bool = JSON,
     each: bool = EACH, jsonl: bool = JSONL, output: Optional[Path] = OUTPUT, resume: bool = RESUME,
     quiet: bool = QUIET, debug: bool = DEBUG, context: Optional[str] = CONTEXT, workers: Optional[int] = WORKERS,
@@ -60,7 +61,8 @@ def ask(
                           method_given=method is not None, method_options=options, frames=frames, fps=fps,
                           max_frames=max_frames_arg(max_frames, fps, max_pixels, streams), max_pixels=max_pixels,
                           max_new_tokens=max_new_tokens, defer_question=defer_question or multi, streaming=streams,
-                          system=system, sampling=sampling(temperature, top_p, seed))
+                          system=system, sampling=sampling(temperature, top_p, seed, presence_penalty,
+                                                                     frequency_penalty))
     stages = status(quiet)
     # refuses a bad method or option before any input is read
     session = Session(settings, stage=stages, progress=stages.frames)

@@ -101,6 +101,11 @@ TOP_P = typer.Option(1.0, "--top-p", metavar="P", help="With --temperature: draw
                      "whose probability reaches P.")
 SEED = typer.Option(None, metavar="N", help="With --temperature: the seed of the draws (the record's "
                     "sampling.seed draws an answer again) [default: a fresh one per run].")
+PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", metavar="X", help="Lower the logit of every token the "
+                                "answer already holds by X (-2 to 2; OpenAI's presence_penalty).")
+FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", metavar="X", help="Lower the logit of every token the "
+                                 "answer already holds by X per time it holds it (-2 to 2; OpenAI's "
+                                 "frequency_penalty).")
 QUESTION = typer.Option(None, "--question", "-Q", metavar="TEXT", help="A question (repeat for several): the "
                         "arguments are then all media; the media is compressed once and every question answered "
                         "from that compressed cache (as --defer-question does), one record each.")
@@ -250,18 +255,21 @@ def streaming(mode: str, chunk: int, window: int, kv_tokens: int | None = None):
     return Streaming(mode, chunk, window, kv_tokens)
 
 
-def sampling(temperature: float, top_p: float, seed: int | None):
+def sampling(temperature: float, top_p: float, seed: int | None, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0):
     """The sampling options (a usage error names a bad one; each is checked even where
     temperature 0 leaves it unused)."""
     from hybridkv_cli.engine.sampling import Sampling
 
     for flag, field, value in (("--temperature", "temperature", temperature), ("--top-p", "top_p", top_p),
-                               ("--seed", "seed", seed or 0)):
+                               ("--seed", "seed", seed or 0), ("--presence-penalty", "presence_penalty",
+                                                               presence_penalty),
+                               ("--frequency-penalty", "frequency_penalty", frequency_penalty)):
         try:
             Sampling(**{field: value})
         except ValueError as e:
             raise UsageError(str(e), flag) from None
-    return Sampling.of(temperature, top_p, seed)
+    return Sampling.of(temperature, top_p, seed, presence_penalty, frequency_penalty)
 
 
 def max_frames_arg(value: str | None, fps: float | None, max_pixels: int | None, stream) -> int | str | None:

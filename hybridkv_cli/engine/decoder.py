@@ -12,7 +12,8 @@ next token through the model at once (``[B, 1]`` ids, each at its own position);
 attention reads all the members' stores in one launch
 (:class:`~hybridkv_cli.compression.batch_cache.BatchCache`). The tokens are the model's own
 logits processors' and, per member, the greedy choice or a seeded draw
-(:mod:`~hybridkv_cli.engine.sampling`: the same tokens alone or in any batch). A member that finishes (the model's end of sequence, or
+(:mod:`~hybridkv_cli.engine.sampling`: the same tokens alone or in any batch; the
+penalties of OpenAI's API from counts kept on the device). A member that finishes (the model's end of sequence, or
 ``max_new_tokens``) leaves at once and its store goes with it.
 
 A batch of one is a plain question; the tokens do not depend on the batch (tested for every
@@ -78,7 +79,8 @@ class Decoder:
         self.rows = position_rows(model)
         self.feed = torch.empty(0, 1, dtype=torch.long, device=self.device)  # [B, 1] next tokens
         self.position = torch.empty(self.rows, 0, 1, dtype=torch.long, device=self.device)  # [R, B, 1]
-        self.sampling = BatchSampling(self.device)  # each member's temperature, top-p, seed and draws
+        self.sampling = BatchSampling(self.device)  # each member's temperature, top-p, seed, penalties and draws
+        self.vocab = 0  # the logits' width (known from the first logits)
         self.logits = None  # [B, V] fp32: the step's output
         self.config, _ = model._prepare_generation_config(None, max_new_tokens=max_new_tokens, do_sample=False)
         eos = self.config.eos_token_id
@@ -140,7 +142,8 @@ class Decoder:
         """Each member's first token, from its [1, V] fp32 ``logits`` after its prompt (the
         tokens read on the host once for them all)."""
         chosen = torch.cat([m.processors(m.ids, row) if m.processors else row for m, row in zip(members, logits)])
-        draws = BatchSampling(self.device, [sampling_of(m.job) for m in members], [0] * len(members))
+        self.vocab = chosen.shape[-1]
+        draws = BatchSampling(self.device, [sampling_of(m.job) for m in members], [[]] * len(members), self.vocab)
         for m, first in zip(members, self._chosen(members, chosen, draws.choose(chosen))):
             m.meter.token()
             m.ids = torch.cat([m.ids, m.ids.new_tensor([[first]])], dim=1) if m.processors else None
@@ -194,7 +197,7 @@ class Decoder:
         self.cache.join(member.cache)
         self.feed = torch.cat([self.feed, torch.tensor([[member.tokens[-1]]], device=self.device)])
         self.position = torch.cat([self.position, position], dim=1)
-        self.sampling.join(BatchSampling(self.device, [sampling_of(member.job)], [len(member.tokens)]))
+        self.sampling.join(BatchSampling(self.device, [sampling_of(member.job)], [member.tokens], self.vocab))
         self._changed()
 
     def device_bytes(self) -> int:

@@ -8,6 +8,10 @@ answer, vocabulary id)`` by an integer hash, so a member's tokens are the same a
 any others, on the CPU or a GPU, and the same seed gives the same answer again. All of it is
 tensor work on the device over the batch (no host read, no loop over members); a batch in which
 nobody samples takes the plain argmax.
+
+``presence_penalty`` / ``frequency_penalty`` (OpenAI's) lower the logits of the tokens the answer
+has generated: by the presence penalty once a token is there, and by the frequency penalty times
+its count. The counts are kept on the device, a row per member, advanced by each step's tokens.
 """
 
 from __future__ import annotations
@@ -22,16 +26,21 @@ import torch
 MASK32 = 0xFFFFFFFF
 #: the largest temperature served (OpenAI's bound)
 MAX_TEMPERATURE = 2.0
+#: the largest penalty either way (OpenAI's bound)
+MAX_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
 class Sampling:
     """How one answer's tokens are chosen: ``temperature`` 0 is greedy (``top_p`` then changes
-    nothing); ``seed`` fixes the draws."""
+    nothing); ``seed`` fixes the draws; the penalties lower the logits of the tokens it has
+    generated (greedy or not)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
@@ -40,14 +49,19 @@ class Sampling:
             raise ValueError("top_p must be above 0 and at most 1")
         if not -2**63 <= self.seed < 2**64:
             raise ValueError("the seed must be a 64-bit integer")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (math.isfinite(getattr(self, name)) and abs(getattr(self, name)) <= MAX_PENALTY):
+                raise ValueError(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}")
 
     @classmethod
-    def of(cls, temperature: float, top_p: float = 1.0, seed: int | None = None) -> Sampling:
+    def of(cls, temperature: float, top_p: float = 1.0, seed: int | None = None, presence_penalty: float = 0.0,
+           frequency_penalty: float = 0.0) -> Sampling:
         """A request's sampling: greedy at temperature 0, else drawn with ``seed`` or a fresh one
-        (which the record names, so the answer can be drawn again)."""
+        (which the record names, so the answer can be drawn again); with its penalties."""
         if temperature == 0:
-            return GREEDY
-        return cls(temperature, top_p, secrets.randbits(63) if seed is None else seed)
+            return replace(GREEDY, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+        return cls(temperature, top_p, secrets.randbits(63) if seed is None else seed, presence_penalty,
+                   frequency_penalty)
 
     def nth(self, index: int) -> Sampling:
         """The sampling of answer ``index`` of several to one request (OpenAI's ``n``): its seed +
@@ -57,6 +71,10 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     @property
     def seed64(self) -> int:
@@ -115,37 +133,65 @@ def choose(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
 
 class BatchSampling:
     """The batch's sampling, one row per member, as device tensors beside the decoder's feed: what
-    :func:`choose` reads, and each member's count of tokens drawn (advanced every step in place)."""
+    :func:`choose` reads, each member's count of tokens drawn (advanced every step in place) and,
+    when a member has a penalty, every member's count of each token it has generated
+    (``counts`` [B, V]; None: nobody is penalised)."""
 
-    def __init__(self, device, samplings: list[Sampling] = (), drawn: list[int] = ()):
+    def __init__(self, device, samplings: list[Sampling] = (), answers: list[list[int]] = (), vocab: int = 0):
         self.samplings = list(samplings)
         self.temperature = torch.tensor([s.temperature for s in self.samplings], dtype=torch.float32, device=device)
         self.top_p = torch.tensor([s.top_p for s in self.samplings], dtype=torch.float32, device=device)
         self.seed = torch.tensor([s.seed64 for s in self.samplings], dtype=torch.int64, device=device)
-        self.drawn = torch.tensor(list(drawn), dtype=torch.int64, device=device)
+        self.drawn = torch.tensor([len(a) for a in answers], dtype=torch.int64, device=device)
+        self.presence = torch.tensor([s.presence_penalty for s in self.samplings], dtype=torch.float32, device=device)
+        self.frequency = torch.tensor([s.frequency_penalty for s in self.samplings], dtype=torch.float32,
+                                      device=device)
+        self.counts = None
+        if any(s.penalised for s in self.samplings):
+            self.counts = torch.zeros(len(self.samplings), vocab, dtype=torch.float32, device=device)
+            for row, tokens in zip(self.counts, answers):  # when it joins: the answer's tokens so far
+                row.index_put_((torch.tensor(tokens, dtype=torch.long, device=device),),
+                               torch.ones(len(tokens), device=device), accumulate=True)
 
     @property
     def sampled(self) -> bool:
         return any(not s.greedy for s in self.samplings)
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """[B] int64: each member's next token of ``logits`` [B, V] (see :func:`choose`); its draw
-        counted."""
+        """[B] int64: each member's next token of ``logits`` [B, V] (see :func:`choose`), after
+        its penalties; its draw counted."""
+        if self.counts is not None:
+            logits = logits - self.frequency[:, None] * self.counts - self.presence[:, None] * (self.counts > 0)
         if not self.sampled:
             tokens = logits.argmax(dim=-1)
         else:
             nucleus = any(not s.greedy and s.top_p < 1 for s in self.samplings)
             tokens = choose(logits, self.temperature, self.top_p, self.seed, self.drawn, nucleus)
         self.drawn.add_(1)
+        if self.counts is not None:
+            self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(self.counts[:, :1]))
         return tokens
 
     def join(self, other: BatchSampling) -> None:
+        """``other``'s members after these (a member without a penalty counts nothing: its
+        counts, zeros, are multiplied by zeros)."""
+        if (self.counts is None) != (other.counts is None):
+            vocab = (self.counts if self.counts is not None else other.counts).shape[1]
+            for side in (self, other):
+                if side.counts is None:
+                    side.counts = side.presence.new_zeros(len(side.samplings), vocab)
         self.samplings += other.samplings
-        for name in ("temperature", "top_p", "seed", "drawn"):
+        for name in self._rows():
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
 
     def keep(self, keep: list[int], index: torch.Tensor) -> None:
         """Only the members at ``keep`` (``index``: the same on the device) stay."""
         self.samplings = [self.samplings[b] for b in keep]
-        for name in ("temperature", "top_p", "seed", "drawn"):
+        for name in self._rows():
             setattr(self, name, getattr(self, name).index_select(0, index))
+        if self.counts is not None and not any(s.penalised for s in self.samplings):
+            self.counts = None
+
+    def _rows(self) -> tuple[str, ...]:
+        return ("temperature", "top_p", "seed", "drawn", "presence", "frequency") + (
+            ("counts",) if self.counts is not None else ())

@@ -332,7 +332,7 @@ class Session:
                                                outcome.generation, True, outcome.batch),
                                    prefix, index=index, of=len(request.questions),
                                    cache_file=prefix.info.get("cache_file"))
-        if job.sampling is not None and not job.sampling.greedy:  # a sampled answer says how to draw it again
+        if job.sampling is not None and job.sampling != GREEDY:  # a sampled or penalised answer says how it was drawn
             record["sampling"] = asdict(job.sampling)
         return record
 

@@ -20,7 +20,7 @@ def hybridkv_info(record: dict, cache_hit: bool, tier: str, prefill_s: float) ->
     batch = record.get("batch")  # how it was decoded: joined at which step, beside how many others
     info["batch"] = {k: batch[k] for k in ("joined_step", "size_max", "size_mean", "kv_device_bytes_peak",
                                             "kv_memory")} if batch else None
-    info["sampling"] = record.get("sampling")  # the seed that draws this answer again (None: greedy)
+    info["sampling"] = record.get("sampling")  # how it was drawn: its seed, penalties (None: greedy, none)
     info["prefix_cache_hit"] = cache_hit
     info["prefix_cache_tier"] = tier if cache_hit else None
     info["prefix_prefill_s"] = None if cache_hit else prefill_s

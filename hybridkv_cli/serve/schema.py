@@ -4,8 +4,9 @@ OpenAI's request fields are declared (strict types; an unknown field is refused,
 one), then read into what the engine answers: a conversation whose first user message holds the
 media (its image / video parts) and the first question, then, as a chat goes on, the assistant's
 answers and the user's next questions as text; the last message is the question answered. What
-the engine cannot do is refused with a 400 naming the field, never silently ignored: penalties,
-tools, media after the first message. ``n`` answers (at most :data:`MAX_CHOICES`) each decode a
+the engine cannot do is refused with a 400 naming the field, never silently ignored: tools,
+media after the first message. ``presence_penalty`` / ``frequency_penalty`` lower the tokens an
+answer has generated (greedy or sampled). ``n`` answers (at most :data:`MAX_CHOICES`) each decode a
 copy of the one kept prefix; sampled, answer ``i`` draws with the seed + ``i``. ``logprobs`` / ``top_logprobs`` give each
 answer token's log probability and its best alternatives. ``temperature`` above 0
 samples (with ``top_p``), from ``seed`` or a seed drawn for the request; left out, it is 0: greedy,
@@ -20,7 +21,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hybridkv_cli.engine.sampling import MAX_TEMPERATURE, Sampling
+from hybridkv_cli.engine.sampling import MAX_PENALTY, MAX_TEMPERATURE, Sampling
 from hybridkv_cli.serve.errors import ApiError, bad_request
 from hybridkv_cli.serve.settings import ServeSettings
 
@@ -81,8 +82,8 @@ class ChatBody(_Strict):
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: Union[str, list[str], None] = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     seed: int | None = Field(default=None, ge=-2**63, lt=2**64)  # a sampled answer's draws (greedy: no effect)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -124,7 +125,6 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
     if chat.model != settings.model_id:
         raise ApiError(404, f"the model '{chat.model}' does not exist; this server serves '{settings.model_id}'",
                        param="model", code="model_not_found")
-    _no_penalties(chat)
     system, first = _system(chat.messages)
     question, context, media, history = _conversation(chat.messages[first:], settings, first)
     stop = (chat.stop,) if isinstance(chat.stop, str) else tuple(chat.stop or ())
@@ -140,7 +140,8 @@ def parse_chat(body, settings: ServeSettings) -> Chat:
                 include_usage=bool(chat.stream_options and chat.stream_options.include_usage),
                 max_tokens=chat.max_tokens or chat.max_completion_tokens, stop=stop, method=choice.method,
                 budget=choice.budget,
-                sampling=Sampling.of(chat.temperature or 0.0, 1.0 if chat.top_p is None else chat.top_p, chat.seed),
+                sampling=Sampling.of(chat.temperature or 0.0, 1.0 if chat.top_p is None else chat.top_p, chat.seed,
+                                     chat.presence_penalty or 0.0, chat.frequency_penalty or 0.0),
                 logprobs=(chat.top_logprobs or 0) if chat.logprobs else None, choices=chat.n or 1)
 
 
@@ -164,15 +165,6 @@ def _refusal(error: ValidationError) -> ApiError:
     if problem["type"] == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {where}", where, "unknown_parameter")
     return bad_request(f"{where}: {problem['msg']}", where or None)
-
-
-def _no_penalties(chat: ChatBody) -> None:
-    """No penalties: another value is refused."""
-    plain = {"presence_penalty": (chat.presence_penalty, 0), "frequency_penalty": (chat.frequency_penalty, 0)}
-    for name, (value, served) in plain.items():
-        if value is not None and value != served:
-            raise bad_request(f"{name} {value:g} is not served (give {served} or leave it out)", name,
-                              "unsupported_value")
 
 
 def _system(messages: list[Message]) -> tuple[str | None, int]:
