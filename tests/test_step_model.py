@@ -115,6 +115,22 @@ def test_run_estimate_prices_the_runs_counters():
     assert est["ms_per_token"] == pytest.approx(expected, abs=1e-4) and est["profile"] == "h200-pcie5"
 
 
+def test_a_records_estimate_prices_the_language_models_weights_counted_once():
+    """The weights a decode step reads: every parameter outside the vision tower, counted once per
+    model (a server prices every answer's record with it)."""
+    from hybridkv_cli.models.demo import build_demo
+    from hybridkv_cli.runs.record import modelled_step
+
+    loaded = build_demo()
+    params = dict(loaded.model.named_parameters())
+    language = sum(p.numel() * p.element_size() for name, p in params.items() if "visual" not in name)
+    assert 0 < loaded.language_weight_bytes == language < sum(p.numel() * p.element_size() for p in params.values())
+    assert "language_weight_bytes" in vars(loaded)  # counted once, then kept
+    est = modelled_step(loaded, device_kv_bytes=1 << 20, h2d_per_step=0.0, heads=None)
+    assert est == run_estimate(profiles.device_profile(loaded.device), layers=loaded.num_layers,
+                               weight_bytes=language, device_kv_bytes=1 << 20, h2d_bytes_per_step=0.0, index=None)
+
+
 def test_model_step_prints_every_method_with_its_ratio(capsys):
     assert run(["model-step", "--device-profile", "h200-pcie5", "--tokens", "8k,32k", "--batch", "1,16",
                 "--json"]) == 0

@@ -7,6 +7,7 @@ Nothing here loads anything: :mod:`hybridkv_cli.models.registry` turns a model n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -79,6 +80,13 @@ class LoadedModel:
         # Read off the attention itself: Qwen2.5-VL's text attention uses hidden_size // heads
         # whatever config.head_dim says, Llama uses config.head_dim.
         return int(self.model.get_decoder().layers[0].self_attn.head_dim)
+
+    @cached_property
+    def language_weight_bytes(self) -> int:
+        """Bytes of every parameter outside the vision tower: what a decode step reads once
+        (counted once per model: a record on CUDA prices each answer's step with it)."""
+        return sum(p.numel() * p.element_size() for name, p in self.model.named_parameters()
+                   if "visual" not in name and "vision" not in name)
 
     @property
     def context_limit(self) -> int | None:

@@ -96,13 +96,12 @@ def measurements(loaded: LoadedModel, policy: Policy, run: Generation) -> dict:
 
 def modelled_step(loaded: LoadedModel, device_kv_bytes: int, h2d_per_step: float, heads: dict | None) -> dict:
     """:func:`~hybridkv_cli.costs.step_model.run_estimate` for a run on ``loaded``'s device: the
-    language model's weights (every parameter outside the vision tower) read once a step."""
+    language model's weights (:attr:`LoadedModel.language_weight_bytes`) read once a step."""
     from hybridkv_cli.costs.profiles import device_profile
     from hybridkv_cli.costs.step_model import run_estimate
 
-    weights = sum(p.numel() * p.element_size() for name, p in loaded.model.named_parameters()
-                  if "visual" not in name and "vision" not in name)
-    return run_estimate(device_profile(loaded.device), layers=loaded.num_layers, weight_bytes=weights,
+    return run_estimate(device_profile(loaded.device), layers=loaded.num_layers,
+                        weight_bytes=loaded.language_weight_bytes,
                         device_kv_bytes=device_kv_bytes, h2d_bytes_per_step=h2d_per_step,
                         index=(heads or {}).get("landmark"))
 
