@@ -67,12 +67,13 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=2, help="rounds of every batch size, alternating")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     asked = questions(args.questions_file, Path(args.media).name, args.questions)
-    session = Session(AskOptions(model=args.model, method=args.method, frames=args.frames,
+    session = Session(AskOptions(model=args.model, method=args.method, frames=args.frames, device=args.device,
                                  max_new_tokens=args.max_new_tokens, defer_question=True))
     start = time.perf_counter()
     prefix = session.compress(Item((args.media,)))

@@ -13,6 +13,7 @@
 #   decode.jsonl/.json  one 32k-token prompt, a few decode steps of every method and stock SDPA (warm-up first,
 #                       attention timed with CUDA events), 28 layers of Qwen2.5-VL-7B geometry, bf16
 #   parity.json         SmolLM2 retrieval rows: answers on the GPU against the CPU's (full and hybridkv b = 0.1)
+#   questions.json      8 questions about one clip read together in one pass against one by one (the demo)
 #   graphs.xml          the batch step replayed as a CUDA graph gives the eager tokens
 #   throughput.json     batched decoding at 16k under a KV cap, eager and with --cuda-graphs
 #   gpu_check.json      all of the above in one file, with the steps run, failed and skipped
@@ -129,6 +130,10 @@ result["n"] = len(result["rows"])
 print(json.dumps(result["same"]), "of", result["n"])
 PY
 
+# --- questions read together (one pass, one attention launch a layer) against one by one, on CUDA
+step questions 60 30 sh -c "python benchmarks/question_batch.py --model demo --device cuda --max-new-tokens 1 \
+    --batch-sizes 1 8 --repeats 5 --out '$OUT_DIR/questions.json'"
+
 # --- CUDA graphs and throughput, if time is left
 step graphs 60 30 python -m pytest -q -p no:cacheprovider tests/test_step_replay.py -k cuda --junitxml="$OUT_DIR/graphs.xml"
 step throughput 60 40 python -m benchmarks.throughput --device cuda --dtype bfloat16 --layers 28 --lengths 16384 \
@@ -143,7 +148,7 @@ steps = [json.loads(l) for l in (out / "steps.jsonl").read_text().splitlines() i
 result = {"seconds": int(sys.argv[2]), "steps": steps,
           "skipped": [s["step"] for s in steps if s.get("skipped")],
           "failed": [s["step"] for s in steps if s.get("rc") not in (0, None)]}
-for name in ("setup", "sync", "launches", "decode", "parity", "throughput", "throughput_graphs"):
+for name in ("setup", "sync", "launches", "decode", "parity", "questions", "throughput", "throughput_graphs"):
     path = out / f"{name}.json"
     try:
         result[name] = json.loads(path.read_text())
