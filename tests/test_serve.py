@@ -357,7 +357,8 @@ def test_penalties_are_the_librarys_and_named_in_the_response(server, client):
 
 def test_logprobs_are_the_stock_models_streamed_or_not(server, client):
     """logprobs / top_logprobs: each answer token's log probability and best alternatives, as the
-    stock model's own scores give them (method full), in the response or on a stream's last chunk."""
+    stock model's own scores give them (method full), in the response or, streamed, with the text
+    chunk its token completes."""
     _, expected = server
     tokenizer = expected["session"].model().tokenizer
     ask = dict(model="demo", messages=video_message(data_url(NEEDLE), QUESTIONS[0]), max_tokens=6, logprobs=True,
@@ -373,9 +374,11 @@ def test_logprobs_are_the_stock_models_streamed_or_not(server, client):
         assert entry.token == entry.top_logprobs[0].token and abs(entry.logprob - best.values[0].item()) < 1e-4
         assert all(abs(t.logprob - v) < 1e-4 for t, v in zip(entry.top_logprobs, best.values.tolist()))
         assert entry.bytes == list(entry.token.encode())
-    chunks = list(client.chat.completions.create(**ask, stream=True))
-    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
-    assert [t.model_dump() for t in last.choices[0].logprobs.content] == [t.model_dump() for t in content]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    streamed = [t.model_dump() for c in chunks if c.logprobs for t in c.logprobs.content]
+    assert streamed == [t.model_dump() for t in content]  # each token's once, in order
+    first = next(c for c in chunks if c.delta.content)
+    assert first.logprobs.content[0].token == content[0].token  # with the text its token makes, not at the end
     assert client.chat.completions.create(**{**ask, "logprobs": None, "top_logprobs": None}).choices[0].logprobs is None
     r = _post(server[0], _good(top_logprobs=2))
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"

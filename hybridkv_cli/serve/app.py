@@ -170,15 +170,15 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
         async def events():
             started = set()  # the answers whose first chunk (with the role) has gone
 
-            def text(index: int, content: str) -> str:
+            def text(index: int, content: str, logprobs: dict | None = None) -> str:
                 role = {} if index in started else {"role": "assistant"}
                 started.add(index)
-                return chunk(index, {**role, "content": content})
+                return chunk(index, {**role, "content": content}, None, logprobs)
 
             def ending(index: int, result: dict, **extra):
                 if result["delta"] or index not in started:
                     yield text(index, result["delta"])
-                # the answer's log probabilities, all of them, on the chunk that ends it
+                # the log probabilities of its tokens after the text streamed so far, on the chunk that ends it
                 yield chunk(index, {}, result["finish_reason"], result["logprobs"], **extra)
 
             try:

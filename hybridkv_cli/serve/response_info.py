@@ -27,19 +27,27 @@ def hybridkv_info(record: dict, cache_hit: bool, tier: str, prefill_s: float) ->
     return info
 
 
-def logprobs(tokenizer, tokens: list[int], entries: list, text: str) -> dict:
-    """OpenAI's ``logprobs`` of an answer: each token's text (special tokens by name), bytes and log
-    probability with its best alternatives (``entries`` from the engine, one per token), for the
-    tokens that make the answer's ``text`` (an answer cut at a stop string, or ended by the
-    end-of-sequence token, drops the tokens after it)."""
-    made, kept = 0, len(tokens)  # the fewest tokens whose text covers the answer's (a binary search)
+def covering(tokenizer, tokens: list[int], text: str, start: int = 0) -> int:
+    """The fewest of ``tokens`` (at least ``start``) whose text, leading space stripped, covers
+    ``text`` (an answer's text so far or in full, which an answer cut at a stop string or ended by
+    the end-of-sequence token leaves tokens after): a binary search."""
+    made, kept = start, len(tokens)
     while made < kept:
         middle = (made + kept) // 2
-        covered = len(tokenizer.decode(tokens[:middle], skip_special_tokens=True)) >= len(text)
+        covered = len(tokenizer.decode(tokens[:middle], skip_special_tokens=True).lstrip()) >= len(text)
         made, kept = (made, middle) if covered else (middle + 1, kept)
+    return made
+
+
+def logprobs(tokenizer, tokens: list[int], entries: list) -> dict | None:
+    """OpenAI's ``logprobs`` of some answer tokens: each one's text (special tokens by name), bytes
+    and log probability with its best alternatives (``entries`` from the engine, one per token);
+    None for no tokens."""
+    if not tokens:
+        return None
     content = [{**_token(tokenizer, token, logprob),
                 "top_logprobs": [_token(tokenizer, other, value) for other, value in best]}
-               for token, (logprob, best) in zip(tokens[:made], entries)]
+               for token, (logprob, best) in zip(tokens, entries)]
     return {"content": content, "refusal": None}
 
 

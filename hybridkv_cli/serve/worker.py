@@ -42,7 +42,7 @@ from hybridkv_cli.serve.metrics import Metrics
 from hybridkv_cli.serve.prefix_cache import PrefixCache, prefix_key
 from hybridkv_cli.serve.prefiller import Prefiller
 from hybridkv_cli.serve.prefix_store import PrefixStore
-from hybridkv_cli.serve.response_info import hybridkv_info, logprobs, usage
+from hybridkv_cli.serve.response_info import covering, hybridkv_info, logprobs, usage
 from hybridkv_cli.serve.schema import Chat
 from hybridkv_cli.serve.settings import ServeSettings
 
@@ -52,7 +52,7 @@ log = logging.getLogger("hybridkv.serve")
 @dataclass(eq=False)
 class Ticket:
     """One request on its way through the worker; events go back to the request's event loop:
-    ``("delta", (index, text))`` of its answers (``n`` of them, OpenAI's choices), ``("end",
+    ``("delta", (index, text, logprobs))`` of its answers (``n`` of them, OpenAI's choices), ``("end",
     (index, result))`` as each but the last ends, then ``("done", summary)`` or ``("error",
     ApiError)``."""
 
@@ -89,6 +89,7 @@ class Answer:
     ticket: Ticket
     index: int
     text: AnswerText
+    given: int = 0  # its tokens whose log probabilities went out with the text streamed so far
 
 
 class Worker:
@@ -270,7 +271,7 @@ class Worker:
             elif ticket.chat.stream or ticket.chat.stop:
                 delta = answer.text.update(m.tokens)
                 if delta and ticket.chat.stream:
-                    ticket.send("delta", (answer.index, delta))
+                    ticket.send("delta", (answer.index, delta, self._given(answer, m.tokens, m.logprobs)))
                 if answer.text.stopped:
                     stop.append(m)
         self.metrics.decoding(len(members) - len(stop), sum(m.bytes for m in members if m not in stop))
@@ -302,8 +303,7 @@ class Worker:
         reason = "length" if not text.stopped and not ended and len(run.tokens) >= limit else "stop"
         prompt_tokens = prefix.seen + len(job.suffix)
         self.metrics.answered(0 if answer.index else prompt_tokens, len(run.tokens))
-        probs = None if run.logprobs is None else logprobs(self.session.model().tokenizer, run.tokens, run.logprobs,
-                                                           text.sent)
+        probs = self._given(answer, run.tokens, run.logprobs)
         ticket.results[answer.index] = {"text": text.sent, "delta": delta, "finish_reason": reason, "logprobs": probs,
                                         "tokens": len(run.tokens), "record": record}
         if not self._ended(ticket, answer.index):
@@ -314,6 +314,15 @@ class Worker:
                              "usage": usage(prompt_tokens, sum(r["tokens"] for r in ticket.results),
                                             prefix.seen if ticket.cache_hit else 0),
                              "hybridkv": hybridkv_info(first, ticket.cache_hit, ticket.tier, prefix.prefill_s)})
+
+    def _given(self, answer: Answer, tokens: list[int], entries: list | None) -> dict | None:
+        """The log probabilities (``entries``, None: not asked for) of ``answer``'s tokens that
+        its text given out so far covers and that have not gone out yet; counted as given."""
+        if entries is None:
+            return None
+        tokenizer = self.session.model().tokenizer
+        start, answer.given = answer.given, covering(tokenizer, tokens, answer.text.sent, answer.given)
+        return logprobs(tokenizer, tokens[start:answer.given], entries[start:answer.given])
 
     def _ended(self, ticket: Ticket, index: int) -> bool:
         """Answer ``index`` of ``ticket`` has ended; whether it was the last (the ticket leaves)."""
