@@ -134,8 +134,9 @@ def choose(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
 class BatchSampling:
     """The batch's sampling, one row per member, as device tensors beside the decoder's feed: what
     :func:`choose` reads, each member's count of tokens drawn (advanced every step in place) and,
-    when a member has a penalty, every member's count of each token it has generated
-    (``counts`` [B, V]; None: nobody is penalised)."""
+    when a member has a penalty, every member's count of each token it has generated and the
+    logit penalty that makes (``counts``, ``penalty`` [B, V]; None: nobody is penalised). A step
+    subtracts the penalty and updates both at the B tokens it chose (no pass over the counts)."""
 
     def __init__(self, device, samplings: list[Sampling] = (), answers: list[list[int]] = (), vocab: int = 0):
         self.samplings = list(samplings)
@@ -146,12 +147,13 @@ class BatchSampling:
         self.presence = torch.tensor([s.presence_penalty for s in self.samplings], dtype=torch.float32, device=device)
         self.frequency = torch.tensor([s.frequency_penalty for s in self.samplings], dtype=torch.float32,
                                       device=device)
-        self.counts = None
+        self.counts = self.penalty = None
         if any(s.penalised for s in self.samplings):
             self.counts = torch.zeros(len(self.samplings), vocab, dtype=torch.float32, device=device)
             for row, tokens in zip(self.counts, answers):  # when it joins: the answer's tokens so far
                 row.index_put_((torch.tensor(tokens, dtype=torch.long, device=device),),
                                torch.ones(len(tokens), device=device), accumulate=True)
+            self.penalty = self.frequency[:, None] * self.counts + self.presence[:, None] * (self.counts > 0)
 
     @property
     def sampled(self) -> bool:
@@ -160,16 +162,19 @@ class BatchSampling:
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """[B] int64: each member's next token of ``logits`` [B, V] (see :func:`choose`), after
         its penalties; its draw counted."""
-        if self.counts is not None:
-            logits = logits - self.frequency[:, None] * self.counts - self.presence[:, None] * (self.counts > 0)
+        if self.penalty is not None:
+            logits = logits - self.penalty
         if not self.sampled:
             tokens = logits.argmax(dim=-1)
         else:
             nucleus = any(not s.greedy and s.top_p < 1 for s in self.samplings)
             tokens = choose(logits, self.temperature, self.top_p, self.seed, self.drawn, nucleus)
         self.drawn.add_(1)
-        if self.counts is not None:
-            self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(self.counts[:, :1]))
+        if self.penalty is not None:  # the chosen tokens: counted, and penalised from the next step on
+            at = tokens[:, None]
+            held = self.counts.gather(1, at)
+            self.penalty.scatter_add_(1, at, self.frequency[:, None] + self.presence[:, None] * (held == 0))
+            self.counts.scatter_add_(1, at, torch.ones_like(held))
         return tokens
 
     def join(self, other: BatchSampling) -> None:
@@ -180,6 +185,7 @@ class BatchSampling:
             for side in (self, other):
                 if side.counts is None:
                     side.counts = side.presence.new_zeros(len(side.samplings), vocab)
+                    side.penalty = side.presence.new_zeros(len(side.samplings), vocab)
         self.samplings += other.samplings
         for name in self._rows():
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
@@ -190,8 +196,8 @@ class BatchSampling:
         for name in self._rows():
             setattr(self, name, getattr(self, name).index_select(0, index))
         if self.counts is not None and not any(s.penalised for s in self.samplings):
-            self.counts = None
+            self.counts = self.penalty = None
 
     def _rows(self) -> tuple[str, ...]:
         return ("temperature", "top_p", "seed", "drawn", "presence", "frequency") + (
-            ("counts",) if self.counts is not None else ())
+            ("counts", "penalty") if self.counts is not None else ())
