@@ -39,12 +39,9 @@ def covering(tokenizer, tokens: list[int], text: str, start: int = 0) -> int:
     return made
 
 
-def logprobs(tokenizer, tokens: list[int], entries: list) -> dict | None:
+def logprobs(tokenizer, tokens: list[int], entries: list) -> dict:
     """OpenAI's ``logprobs`` of some answer tokens: each one's text (special tokens by name), bytes
-    and log probability with its best alternatives (``entries`` from the engine, one per token);
-    None for no tokens."""
-    if not tokens:
-        return None
+    and log probability with its best alternatives (``entries`` from the engine, one per token)."""
     content = [{**_token(tokenizer, token, logprob),
                 "top_logprobs": [_token(tokenizer, other, value) for other, value in best]}
                for token, (logprob, best) in zip(tokens, entries)]

@@ -303,7 +303,7 @@ class Worker:
         reason = "length" if not text.stopped and not ended and len(run.tokens) >= limit else "stop"
         prompt_tokens = prefix.seen + len(job.suffix)
         self.metrics.answered(0 if answer.index else prompt_tokens, len(run.tokens))
-        probs = self._given(answer, run.tokens, run.logprobs)
+        probs = self._given(answer, run.tokens, run.logprobs, final=True)
         ticket.results[answer.index] = {"text": text.sent, "delta": delta, "finish_reason": reason, "logprobs": probs,
                                         "tokens": len(run.tokens), "record": record}
         if not self._ended(ticket, answer.index):
@@ -315,13 +315,16 @@ class Worker:
                                             prefix.seen if ticket.cache_hit else 0),
                              "hybridkv": hybridkv_info(first, ticket.cache_hit, ticket.tier, prefix.prefill_s)})
 
-    def _given(self, answer: Answer, tokens: list[int], entries: list | None) -> dict | None:
+    def _given(self, answer: Answer, tokens: list[int], entries: list | None, final: bool = False) -> dict | None:
         """The log probabilities (``entries``, None: not asked for) of ``answer``'s tokens that
-        its text given out so far covers and that have not gone out yet; counted as given."""
+        its text given out so far covers and that have not gone out yet, counted as given (None
+        when there are none, but at the ``final`` text)."""
         if entries is None:
             return None
         tokenizer = self.session.model().tokenizer
         start, answer.given = answer.given, covering(tokenizer, tokens, answer.text.sent, answer.given)
+        if start == answer.given and not final:
+            return None
         return logprobs(tokenizer, tokens[start:answer.given], entries[start:answer.given])
 
     def _ended(self, ticket: Ticket, index: int) -> bool:
