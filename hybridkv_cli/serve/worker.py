@@ -295,7 +295,8 @@ class Worker:
             return
         job, run = outcome.job, outcome.generation
         prefix = job.prefix
-        record = self.session.record(outcome)  # as ask -Q makes it
+        # as ask -Q makes it; the response's hybridkv field is answer 0's (the others' would be dropped)
+        record = self.session.record(outcome) if answer.index == 0 else None
         text = answer.text
         delta = text.finish(run.tokens)
         limit = job.max_new_tokens or self.session.options.max_new_tokens
@@ -309,7 +310,7 @@ class Worker:
         if not self._ended(ticket, answer.index):
             ticket.send("end", (answer.index, ticket.results[answer.index]))
             return
-        first = ticket.results[0]["record"]  # every answer's prefix and options are the request's
+        first = ticket.results[0]["record"]
         ticket.send("done", {"choices": ticket.results, "last": answer.index,
                              "usage": usage(prompt_tokens, sum(r["tokens"] for r in ticket.results),
                                             prefix.seen if ticket.cache_hit else 0),
