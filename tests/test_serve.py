@@ -494,15 +494,18 @@ def test_prefixes_beyond_the_devices_share_wait_in_host_memory_and_answer_the_sa
     assert counts == {"misses_total": 1, "host_hits_total": 2, "parks_total": 3, "device_bytes": 0, "entries": 1}
 
 
-def test_the_next_videos_media_is_decoded_while_one_is_prefilled(server):
-    """The media thread decodes the next request's video while the prefill thread holds the first
-    (here held on purpose); both then get the CLI's answers."""
+@contextmanager
+def held_prefills(count: int):
+    """A served demo model whose first ``count`` prefills each wait for their own event. Yields a
+    namespace: ``base`` (URL), ``ask(path, question)`` (the answer), ``events`` ("load": media
+    decoded, "prefill"), ``releases`` (the events), ``until(condition)``, ``queued()`` (/health's)."""
+    from types import SimpleNamespace
+
     from hybridkv_cli.runs.session import AskOptions, Session
     from hybridkv_cli.serve.settings import ServeSettings
 
-    _, expected = server
     session = Session(AskOptions(model="demo", defer_question=True, max_new_tokens=32))
-    events, release = [], threading.Event()
+    events, releases = [], [threading.Event() for _ in range(count)]
     load, compress = session.load_media, session.compress_prepared
 
     def loading(paths):
@@ -511,7 +514,8 @@ def test_the_next_videos_media_is_decoded_while_one_is_prefilled(server):
 
     def held(prepared, policy=None):
         events.append("prefill")
-        assert release.wait(30)
+        n = events.count("prefill") - 1
+        assert n >= count or releases[n].wait(30)
         return compress(prepared, policy)
 
     session.load_media, session.compress_prepared = loading, held
@@ -526,15 +530,68 @@ def test_the_next_videos_media_is_decoded_while_one_is_prefilled(server):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
         ask = lambda path, question: client.chat.completions.create(  # noqa: E731
             model="demo", messages=video_message(data_url(path), question)).choices[0].message.content
-        with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(ask, NEEDLE, QUESTIONS[0])
-            until(lambda: events == ["load", "prefill"])
-            second = pool.submit(ask, SHAPES, SHAPES_QUESTION)
-            until(lambda: events == ["load", "prefill", "load"])  # decoded while the first is in its prefill
-            release.set()
-            assert first.result() == expected[(NEEDLE.name, QUESTIONS[0])]
-            assert second.result() == expected[(SHAPES.name, SHAPES_QUESTION)]
-    assert events == ["load", "prefill", "load", "prefill"]
+        yield SimpleNamespace(base=base, ask=ask, events=events, releases=releases, until=until,
+                              queued=lambda: httpx.get(base + "/health").json()["queued"])
+
+
+def test_the_next_videos_media_is_decoded_while_one_is_prefilled(server):
+    """The media thread decodes the next request's video while the prefill thread holds the first
+    (here held on purpose); both then get the CLI's answers."""
+    _, expected = server
+    with held_prefills(1) as h, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(h.ask, NEEDLE, QUESTIONS[0])
+        h.until(lambda: h.events == ["load", "prefill"])
+        second = pool.submit(h.ask, SHAPES, SHAPES_QUESTION)
+        h.until(lambda: h.events == ["load", "prefill", "load"])  # decoded while the first is in its prefill
+        h.releases[0].set()
+        assert first.result() == expected[(NEEDLE.name, QUESTIONS[0])]
+        assert second.result() == expected[(SHAPES.name, SHAPES_QUESTION)]
+        assert h.events == ["load", "prefill", "load", "prefill"]
+
+
+def test_a_request_waiting_for_its_medias_prefix_is_not_held_up_by_other_media(server):
+    """A second request about a video being prefilled waits for that prefill alone: it is answered
+    the moment its prefix is made, while the next video's prefill (queued before it) still runs."""
+    _, expected = server
+    with held_prefills(2) as h, ThreadPoolExecutor(3) as pool:
+        first = pool.submit(h.ask, NEEDLE, QUESTIONS[0])
+        h.until(lambda: h.events == ["load", "prefill"])
+        other = pool.submit(h.ask, SHAPES, SHAPES_QUESTION)
+        h.until(lambda: h.events == ["load", "prefill", "load"] and h.queued() == 1)
+        again = pool.submit(h.ask, NEEDLE, QUESTIONS[1])  # waits for the first's prefix
+        h.until(lambda: h.queued() == 2)
+        h.releases[0].set()
+        assert again.result(30) == expected[(NEEDLE.name, QUESTIONS[1])]
+        assert h.events == ["load", "prefill", "load", "prefill"] and not other.done()  # the other still held
+        h.releases[1].set()
+        assert first.result() == expected[(NEEDLE.name, QUESTIONS[0])]
+        assert other.result() == expected[(SHAPES.name, SHAPES_QUESTION)]
+        assert metric(h.base, "hybridkv_prefix_cache_misses_total", None) == 2
+        assert metric(h.base, "hybridkv_prefix_cache_hits_total", None) == 1
+
+
+def test_a_prefix_whose_first_client_left_is_still_made_for_the_requests_waiting_for_it(server):
+    """The request that would make a video's prefix is cancelled while it waits for the prefill
+    thread; another request about the video waits for that prefix: it is made (once) and answered."""
+    _, expected = server
+    with held_prefills(2) as h, ThreadPoolExecutor(3) as pool:
+        first = pool.submit(h.ask, NEEDLE, QUESTIONS[0])
+        h.until(lambda: h.events == ["load", "prefill"])
+        body = {"model": "demo", "messages": video_message(data_url(SHAPES), SHAPES_QUESTION)}
+        leaving = pool.submit(httpx.post, h.base + "/v1/chat/completions", json=body,
+                              timeout=httpx.Timeout(60, read=3))  # its client leaves after 3 s
+        h.until(lambda: h.events == ["load", "prefill", "load"] and h.queued() == 1)
+        again = pool.submit(h.ask, SHAPES, SHAPES_QUESTION)  # waits for the leaving client's prefix
+        h.until(lambda: h.queued() == 2)
+        with pytest.raises(httpx.ReadTimeout):
+            leaving.result()
+        time.sleep(1.0)  # the server sees the connection closed (it polls every 0.25 s)
+        h.releases[0].set()
+        h.releases[1].set()
+        assert first.result() == expected[(NEEDLE.name, QUESTIONS[0])]
+        assert again.result(30) == expected[(SHAPES.name, SHAPES_QUESTION)]
+        assert h.events == ["load", "prefill", "load", "prefill"]
+        assert metric(h.base, "hybridkv_cancelled_total", None) == 1
 
 
 def test_prefixes_outlive_the_server_in_the_prefix_cache_dir(server, tmp_path):

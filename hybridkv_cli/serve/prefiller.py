@@ -1,14 +1,14 @@
 """The prefixes of requests that missed the cache, made beside the decoding, in two stages.
 
-A request whose compressed prefix is not ready comes here from the decode loop. The *media* thread
-decodes its media and builds its prompt (PyAV, the processor: work of the CPU, outside the model);
-the *prefill* thread finds the prefix kept meanwhile, copies a parked one back to the device
-(``prefix_cache_tier: "host"``), reads its file (``"disk"``), or runs the vision encoder, the
-prefill and the compression on the prompt the media thread built. So while one video is prefilled
-the next is already decoded. A request for media whose prompt the media thread has built and whose
-prefix is not made yet is not decoded again: it waits behind it and finds the prefix made (one
-prefill per media however many ask at once). The request then goes back to the worker's queue, with
-its prefix or the error that stopped it.
+A request whose compressed prefix is not ready comes here from the decode loop: the first for its
+media *makes* the prefix, the next ones for the same media wait beside it, off both queues, and go
+back with it the moment it is made (one prefill per media however many ask at once, and the misses
+of other media never hold them up). The *media* thread decodes a maker's media and builds its
+prompt (PyAV, the processor: work of the CPU, outside the model); the *prefill* thread finds the
+prefix kept meanwhile, copies a parked one back to the device (``prefix_cache_tier: "host"``),
+reads its file (``"disk"``), or runs the vision encoder, the prefill and the compression on the
+prompt the media thread built. So while one video is prefilled the next is already decoded. Every
+request goes back to the worker's queue with its prefix or the error that stopped it.
 """
 
 from __future__ import annotations
@@ -36,16 +36,39 @@ class Prefiller:
     def __init__(self, session: Session, cache, store, metrics, done: Callable, stopping: threading.Event):
         self.session, self.cache, self.store, self.metrics, self.done = session, cache, store, metrics, done
         self._stopping = stopping
-        self.misses: queue.Queue = queue.Queue()  # from the decode loop
+        self.misses: queue.Queue = queue.Queue()  # makers, from the decode loop
         self.prompts: queue.Queue = queue.Queue(PROMPTS_AHEAD)  # prompts built, for the prefill thread
-        self._building: set[str] = set()  # keys whose prompt is built and whose prefix is not made yet
+        self._waiters: dict[str, list] = {}  # keys whose prefix a request is making -> the requests waiting for it
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._load, name="hybridkv-media", daemon=True),
                          threading.Thread(target=self._prefill, name="hybridkv-prefill", daemon=True)]
 
     @property
     def waiting(self) -> int:
-        return self.misses.qsize() + self.prompts.qsize()
+        with self._lock:
+            waiters = sum(map(len, self._waiters.values()))
+        return self.misses.qsize() + self.prompts.qsize() + waiters
+
+    def submit(self, ticket) -> None:
+        """A request whose prefix is not ready: it makes the prefix, or waits for the request that does."""
+        with self._lock:
+            if ticket.key in self._waiters:
+                self._waiters[ticket.key].append(ticket)
+                return
+            ticket.waiters = self._waiters[ticket.key] = []
+        self.misses.put(ticket)
+
+    def left(self) -> list:
+        """The requests still here once the threads have stopped (the worker answers them as it stops)."""
+        left = []
+        for source in (self.misses, self.prompts):
+            while not source.empty():
+                left.append(source.get_nowait())
+        with self._lock:
+            for waiters in self._waiters.values():
+                left += waiters
+            self._waiters.clear()
+        return left
 
     def start(self) -> None:
         for thread in self._threads:
@@ -56,36 +79,35 @@ class Prefiller:
             thread.join(timeout)
 
     def _next(self, source: queue.Queue):
-        """The next request of ``source`` still wanted (None: none within half a second)."""
+        """The next request of ``source`` still wanted, by its client or by requests waiting for
+        the prefix it makes (None: none within half a second)."""
         try:
             ticket = source.get(timeout=0.5)
         except queue.Empty:
             return None
-        if ticket.cancelled:  # its client left while it waited
-            self.metrics.cancel()
-            return None
-        return ticket
+        if not ticket.cancelled:
+            return ticket
+        with self._lock:  # its client left while it waited
+            if ticket.waiters:
+                return ticket
+            del self._waiters[ticket.key]
+        self.metrics.cancel()
+        return None
 
     def _load(self) -> None:
-        """The media thread: each miss's prompt built, unless its prefix is kept (in memory or in
-        a file) or another request's prompt for the same media is on its way to the prefill."""
+        """The media thread: each maker's prompt built, unless its prefix is kept (in memory, parked
+        or in a file: made or written since the worker looked)."""
         while not self._stopping.is_set():
             ticket = self._next(self.misses)
             if ticket is None:
                 continue
             kept = self.cache.get(ticket.key, count=False) is not None or (
                 self.store is not None and self.store.path(ticket.key).is_file())
-            with self._lock:
-                wanted = not kept and ticket.key not in self._building
-                if wanted:
-                    self._building.add(ticket.key)
-            if wanted:
+            if not kept:
                 try:
                     ticket.prepared = self._prepare(ticket)
                 except Exception as e:  # its answer is this error (the prefill thread hands it back)
                     ticket.failure = e
-                    with self._lock:
-                        self._building.discard(ticket.key)
                 ticket.refs = []  # decoded: the bytes can go
             self._hand_on(ticket)
 
@@ -108,12 +130,22 @@ class Prefiller:
                 if ticket is not None:
                     try:
                         self._make(ticket)
-                    finally:
-                        if ticket.prepared is not None:
-                            with self._lock:
-                                self._building.discard(ticket.key)
-                            ticket.prepared = None
-                    self.done(ticket)
+                    finally:  # the requests waiting for it are never left behind
+                        ticket.prepared = None
+                        self.done(ticket)
+                        self._release(ticket)
+
+    def _release(self, maker) -> None:
+        """The requests that waited for ``maker``'s prefix, back with it (or with its error)."""
+        with self._lock:
+            del self._waiters[maker.key]
+        for ticket in maker.waiters:
+            ticket.prefix, ticket.failure, ticket.tier = maker.prefix, maker.failure, maker.tier
+            ticket.cache_hit = maker.failure is None
+            if ticket.cache_hit:
+                self.cache.count(hit=True)
+            self.done(ticket)
+        maker.waiters = None
 
     def _make(self, ticket) -> None:
         if ticket.failure is not None:

@@ -68,6 +68,7 @@ class Ticket:
     prefix: object = None  # its compressed prefix, once the prefill thread made it (or found it made)
     prepared: object = None  # its prompt, built by the media thread for the prefill thread
     failure: BaseException | None = None  # why its prefix could not be made
+    waiters: list | None = None  # requests for the same media waiting for the prefix this one makes
     results: list = field(default_factory=list)  # each answer's result as it ends (None: decoding)
     failed: bool = False  # an answer failed: the request's error is sent, its other answers stop
 
@@ -183,8 +184,7 @@ class Worker:
         with policy_attention(model()):  # held while serving: no step, question pass or prefill switches the model
             self._serve(model)
             self.prefiller.join()  # its last request is back in the queue
-        for ticket in list(self.inflight) + self._drain(self.queue) + self._drain(self.prefiller.misses) + \
-                self._drain(self.prefiller.prompts):
+        for ticket in list(self.inflight) + self._drain(self.queue) + self.prefiller.left():
             ticket.send("error", ApiError(503, "the server is stopping", type="server_error", code="unavailable"))
 
     def _serve(self, model) -> None:
@@ -232,7 +232,7 @@ class Worker:
                 ticket.prefix = self.cache.get(ticket.key, count=False)
                 if ticket.prefix is None or ticket.prefix.parked:  # made or copied back beside the decoding
                     ticket.prefix = None
-                    self.prefiller.misses.put(ticket)
+                    self.prefiller.submit(ticket)
                     continue
                 self.cache.count(hit=True)
                 ticket.cache_hit = True
