@@ -60,10 +60,7 @@ class Prefiller:
 
     def left(self) -> list:
         """The requests still here once the threads have stopped (the worker answers them as it stops)."""
-        left = []
-        for source in (self.misses, self.prompts):
-            while not source.empty():
-                left.append(source.get_nowait())
+        left = drained(self.misses) + drained(self.prompts)
         with self._lock:
             for waiters in self._waiters.values():
                 left += waiters
@@ -194,3 +191,13 @@ class Prefiller:
         # named by content, not by the temporary files (gone now)
         media = dataclasses.replace(media, origin=label, sources=tuple(Path(f"sha256-{r.digest}") for r in refs))
         return self.session.prepare(media, TEMPLATE_QUESTION, source=label, system=chat.system)
+
+
+def drained(waiting: queue.Queue) -> list:
+    """Everything ``waiting`` holds now, taken out."""
+    left = []
+    while True:
+        try:
+            left.append(waiting.get_nowait())
+        except queue.Empty:
+            return left

@@ -40,7 +40,7 @@ from hybridkv_cli.serve.errors import ApiError, bad_request, from_error
 from hybridkv_cli.serve.media_refs import MediaRef
 from hybridkv_cli.serve.metrics import Metrics
 from hybridkv_cli.serve.prefix_cache import PrefixCache, prefix_key
-from hybridkv_cli.serve.prefiller import Prefiller
+from hybridkv_cli.serve.prefiller import Prefiller, drained
 from hybridkv_cli.serve.prefix_store import PrefixStore
 from hybridkv_cli.serve.response_info import covering, hybridkv_info, logprobs, usage
 from hybridkv_cli.serve.schema import Chat
@@ -184,7 +184,7 @@ class Worker:
         with policy_attention(model()):  # held while serving: no step, question pass or prefill switches the model
             self._serve(model)
             self.prefiller.join()  # its last request is back in the queue
-        for ticket in list(self.inflight) + self._drain(self.queue) + self.prefiller.left():
+        for ticket in list(self.inflight) + drained(self.queue) + self.prefiller.left():
             ticket.send("error", ApiError(503, "the server is stopping", type="server_error", code="unavailable"))
 
     def _serve(self, model) -> None:
@@ -205,15 +205,6 @@ class Worker:
                 self.inflight.clear()
                 self.admission.waiting.clear()
                 self.active = 0
-
-    @staticmethod
-    def _drain(waiting: queue.Queue) -> list[Ticket]:
-        left = []
-        while True:
-            try:
-                left.append(waiting.get_nowait())
-            except queue.Empty:
-                return left
 
     def _source(self):
         """The decode loop's jobs: whatever is waiting, None when nothing is (a step goes on), and
