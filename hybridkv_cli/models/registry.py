@@ -9,7 +9,8 @@ The registry (:data:`LOADERS`) holds the names with a loader of their own:
 
 Any other name is a ``.gguf`` file, a local checkpoint directory or a hub id, loaded by the
 generic loader (:mod:`hybridkv_cli.models.checkpoints`). Every model comes back in eval mode on its
-device and dtype with ``"sdpa"`` attention.
+device and dtype with ``"sdpa"`` attention, its vision patch convolution a matrix product
+(:mod:`hybridkv_cli.models.patch_projection`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from hybridkv_cli.io.errors import ModelError
 from hybridkv_cli.models import checkpoints, demo, tiny_models
 from hybridkv_cli.models.loaded import LoadedModel, resolve_device, resolve_dtype
+from hybridkv_cli.models.patch_projection import project_patches
 
 __all__ = ["DEFAULT_MODEL", "LOADERS", "Loader", "load_model", "loader_for", "max_pixels_for"]
 
@@ -94,4 +96,6 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
     name = str(name).strip()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    return loader_for(name).load(name, dev, dt)
+    loaded = loader_for(name).load(name, dev, dt)
+    project_patches(loaded.model)
+    return loaded
