@@ -29,7 +29,8 @@ from functools import lru_cache
 
 import torch
 
-from .decode_attention_torch import batched_decode_attention_torch, check_ragged, ragged_decode_attention_torch
+from .decode_attention_torch import (batched_decode_attention_torch, check_ragged, chunk_decode_attention_torch,
+                                     ragged_decode_attention_torch)
 from .dispatch import load_triton_module, next_power_of_2, resolve_backend, triton_interpreting
 from .segments import RaggedKV, SegmentTable, segment_table
 
@@ -264,12 +265,12 @@ def chunk_decode_attention(queries: list, stores: list[RaggedKV], q_lens: list[i
 
     Triton attends every position of every chunk in one :func:`batched_decode_attention` launch:
     position ``t`` of a chunk is a view of its store with the generated rows it sees. The torch
-    path attends each chunk alone (the reference, masked).
+    path attends the chunks of one shape together (:func:`chunk_decode_attention_torch`).
     """
     if not stores:
         return []
     if resolve_backend(backend, queries[0], stores[0].keys) != "triton":
-        return [ragged_decode_attention_torch(q, *s[:7], scale, q_len) for q, s, q_len in zip(queries, stores, q_lens)]
+        return chunk_decode_attention_torch(queries, stores, q_lens, scale)
     views, by_position = [], []
     for q, s, q_len in zip(queries, stores, q_lens):
         check_ragged(q, *s[:7], q_len)

@@ -2,14 +2,16 @@
 
 :func:`ragged_decode_attention_torch` is the reference (and the CPU path of a single sequence's
 ``ragged_decode_attention``); :func:`batched_decode_attention_torch` attends the stores of a
-batch on the CPU. The layout is ``decode_attention``'s (its module docstring).
+batch on the CPU, and :func:`chunk_decode_attention_torch` the chunks of several stores (questions
+read after their prefixes). The layout is ``decode_attention``'s (its module docstring).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["batched_decode_attention_torch", "check_ragged", "chunk_mask", "ragged_decode_attention_torch"]
+__all__ = ["batched_decode_attention_torch", "check_ragged", "chunk_decode_attention_torch", "chunk_mask",
+           "ragged_decode_attention_torch"]
 
 
 def check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, q_len=1):
@@ -90,30 +92,35 @@ def ragged_decode_attention_torch(q, keys, values, offsets, lengths, gen_k=None,
 
 
 def batched_decode_attention_torch(q, stores, scale=None):
-    """Torch path of :func:`batched_decode_attention` (the CPU path).
+    """Torch path of :func:`batched_decode_attention`: :func:`chunk_decode_attention_torch` of
+    one-token chunks (``q``: every store's heads, store after store)."""
+    return torch.cat(chunk_decode_attention_torch(list(torch.split(q, [s.num_heads for s in stores])), stores,
+                                                  [1] * len(stores), scale))
 
-    On the CPU a step's cost is mostly per op, so the stores of one shape (:func:`_shape`: the
-    questions of one prefix share it) are attended together: the scores of all their heads go
-    side by side into one padded buffer, scaled and normalised by one op each, and only the
-    products of a head with its own rows (views of its store: nothing is copied) and of a
-    store's generated rows (one ``bmm`` for all its heads) stay per store. A store's numbers do
-    not depend on the others: every op it meets has the shapes it has alone.
+
+def chunk_decode_attention_torch(queries, stores, q_lens, scale=None):
+    """Torch path of :func:`chunk_decode_attention` (the CPU path of a batch step and of a packed
+    read): ``queries[i]`` [H_i, G * q_lens[i], d], a chunk of ``q_lens[i]`` positions over ``stores[i]``.
+
+    On the CPU a step's cost is mostly per op, so the stores of one shape (:func:`_shape`, and
+    one chunk length: the questions of one prefix share it) are attended together: the scores of
+    all their heads go side by side into one padded buffer, masked, scaled and normalised by one op
+    each, and only the products of a head with its own rows (views of its store: nothing is
+    copied) and of a store's generated rows (one ``bmm`` for all its heads) stay per store. A
+    store's numbers do not depend on the others: every op it meets has the shapes it has alone.
     """
-    heads = [s.num_heads for s in stores]
-    for part, s in zip(torch.split(q, heads), stores):
-        check_ragged(part, *s[:7])
-    spans = [list(zip(s.offsets.tolist(), s.lengths.tolist())) for s in stores]
+    spans = []
     groups: dict[tuple, list[int]] = {}
-    for i, (s, held) in enumerate(zip(stores, spans)):
-        groups.setdefault(_shape(s, held), []).append(i)
-    if len(groups) == 1:
-        return _together(q, stores, spans, scale)
-    starts = torch.tensor([0, *heads]).cumsum(0).tolist()
-    out = torch.empty_like(q)
-    for index in groups.values():
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=q.device) for i in index])
-        part = _together(q.index_select(0, rows), [stores[i] for i in index], [spans[i] for i in index], scale)
-        out.index_copy_(0, rows, part)
+    for i, (q, s, q_len) in enumerate(zip(queries, stores, q_lens)):
+        check_ragged(q, *s[:7], q_len)
+        spans.append(list(zip(s.offsets.tolist(), s.lengths.tolist())))
+        groups.setdefault((*_shape(s, spans[-1]), q_len), []).append(i)
+    out = [None] * len(stores)
+    for (*_, q_len), index in groups.items():
+        part = torch.cat([queries[i] for i in index]) if len(index) > 1 else queries[index[0]]
+        attended = _together(part, [stores[i] for i in index], [spans[i] for i in index], scale, q_len)
+        for i, o in zip(index, attended.split([queries[i].shape[0] for i in index])):
+            out[i] = o
     return out
 
 
@@ -123,8 +130,9 @@ def _shape(store, spans) -> tuple:
     return max((length for _, length in spans), default=0), store.n_gen, store.keys.dtype, store.values.dtype
 
 
-def _together(q, stores, spans, scale):
-    """:func:`batched_decode_attention_torch` of stores of one :func:`_shape` (``q``: their heads)."""
+def _together(q, stores, spans, scale, q_len: int = 1):
+    """:func:`chunk_decode_attention_torch` of stores of one :func:`_shape` and chunk length
+    (``q``: their heads)."""
     rows, group, d = q.shape
     scale = d ** -0.5 if scale is None else float(scale)
     width, n_gen, key_type, value_type = _shape(stores[0], spans[0])
@@ -137,6 +145,8 @@ def _together(q, stores, spans, scale):
         if n_gen:
             torch.bmm(qk[at:at + len(heads)], s.gen_k[:, :n_gen].transpose(1, 2),
                       out=scores[at:at + len(heads), :, width:])
+    if q_len > 1:  # a chunk: each position sees its own and the earlier positions' rows
+        scores[:, :, width:].masked_fill_(chunk_mask(group, n_gen, q_len, q.device), float("-inf"))
     p = torch.softmax(scores.float().mul_(scale), dim=-1).to(value_type)
     out = torch.empty(rows, group, d, dtype=value_type, device=q.device)
     gen = torch.empty_like(out) if n_gen else None
