@@ -12,8 +12,8 @@ to a healthy ``/health``), then
    same video (a hit), one request at a time; time to the first streamed token of each;
 2. **load**: N clients at once, each asking ``--requests`` questions in a row about its video
    (client i: video i mod M) through the official ``openai`` client; answers/s over the whole
-   wall clock, p50 / p99 latency (a baseline client's wait for its turn included), failures, the
-   CPU seconds the server and the clients spent, the most device KV of the decoding answers at once
+   wall clock, p50 / p99 latency (a baseline client's wait for its turn included), failures (with
+   their reasons, and the requests the server counted as cancelled), the CPU seconds the server and the clients spent, the most device KV of the decoding answers at once
    (the server's metric; under ``--server-args --kv-memory SIZE`` never above it), and whether
    every setting gave the same answer to the same question about the same video.
 
@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -142,7 +143,8 @@ def run_setting(max_batch: int, args, ttft_videos, load_videos, serial: bool = F
                         done.append((i % len(load_videos), question, reply.choices[0].message.content,
                                      time.perf_counter() - start, None))
                     except openai.APIError as e:
-                        done.append((i % len(load_videos), question, None, time.perf_counter() - start, str(e)))
+                        why = f"{type(e).__name__}: {e}" + (f" ({e.__cause__!r})" if e.__cause__ else "")
+                        done.append((i % len(load_videos), question, None, time.perf_counter() - start, why))
             return done
 
         start, server_cpu, client_cpu = time.perf_counter(), cpu_seconds(proc.pid), time.process_time()
@@ -160,15 +162,23 @@ def run_setting(max_batch: int, args, ttft_videos, load_videos, serial: bool = F
         "max_batch": max_batch, "serial": serial, "startup_s": startup,
         "ttft_first_s": statistics.median(first), "ttft_second_s": statistics.median(second),
         "ttft_ratio": statistics.median(first) / statistics.median(second),
-        "answers": len(results), "failures": sum(r[4] is not None for r in results), "wall_s": wall,
+        "answers": len(results), "failures": sum(r[4] is not None for r in results),
+        "failure_reasons": dict(Counter(r[4] for r in results if r[4] is not None)), "wall_s": wall,
         "answers_per_s": len(results) / wall, "latency_p50_s": percentile(latencies, 0.5),
         "latency_p99_s": percentile(latencies, 0.99),
         "server_cpu_s": server_cpu, "client_cpu_s": client_cpu,
         "hits": metric(metrics, "hybridkv_prefix_cache_hits_total"),
         "kv_device_bytes_peak": metric(metrics, "hybridkv_decoding_kv_device_bytes_peak"),
         "misses": metric(metrics, "hybridkv_prefix_cache_misses_total"),
+        "cancelled": metric(metrics, "hybridkv_cancelled_total"),
         "answers_by_question": {f"{v}|{q}": a for v, q, a, _, e in results if e is None},
     }
+
+
+def failed(row: dict) -> str:
+    """The reasons of a setting's failed requests and its server's cancellations, for the summary line."""
+    reasons = "; ".join(f"{n}x {reason[:120]}" for reason, n in row["failure_reasons"].items())
+    return f" ({reasons}; {row['cancelled']} cancelled)" if row["failures"] else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label}: startup {r['startup_s']:.1f} s | TTFT first {r['ttft_first_s'] * 1e3:.0f} ms, second "
               f"{r['ttft_second_s'] * 1e3:.0f} ms ({r['ttft_ratio']:.1f}x) | {r['answers']} answers in "
               f"{r['wall_s']:.1f} s = {r['answers_per_s']:.1f}/s, p50 {r['latency_p50_s'] * 1e3:.0f} ms, p99 "
-              f"{r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed | cache {r['hits']} hits / "
+              f"{r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed{failed(r)} | cache {r['hits']} hits / "
               f"{r['misses']} misses | CPU s: server {r['server_cpu_s'] or float('nan'):.2f}, clients "
               f"{r['client_cpu_s']:.2f} | decoding KV peak {r['kv_device_bytes_peak'] / 2**20:.2f} MiB")
     print("throughput vs one at a time: " + ", ".join(f"max-batch {r['max_batch']} "
