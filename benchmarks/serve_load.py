@@ -13,8 +13,9 @@ to a healthy ``/health``), then
 2. **load**: N clients at once, each asking ``--requests`` questions in a row about its video
    (client i: video i mod M) through the official ``openai`` client; answers/s over the whole
    wall clock, p50 / p99 latency (a baseline client's wait for its turn included), failures (with
-   their reasons, and the requests the server counted as cancelled), the CPU seconds the server and the clients spent, the most device KV of the decoding answers at once
-   (the server's metric; under ``--server-args --kv-memory SIZE`` never above it), and whether
+   their reasons, and the requests the server counted as cancelled), the CPU seconds the server
+   and the clients spent, the most device KV of the decoding answers at once (the server's
+   metric; under ``--server-args --kv-memory SIZE`` never above it), and whether
    every setting gave the same answer to the same question about the same video.
 
 The videos are the demo's synthetic clips (``training/synthetic.py``: 112x112, 64 frames by

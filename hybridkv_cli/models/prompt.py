@@ -7,11 +7,14 @@ question is tokenised on its own and spliced in (so chat-template strings in it 
 from __future__ import annotations
 
 import numbers
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.media import MediaInput
@@ -185,8 +188,36 @@ def _system_turn(system: str | None, content) -> list[dict]:
 
 def question_ids(tokenizer, question: str) -> list[int]:
     """The question's token ids as plain text: special-token strings in it (``<|im_start|>``,
-    ``<|image_pad|>``, ...) are split into ordinary tokens, never read as structure."""
-    return list(tokenizer(question, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    ``<|image_pad|>``, ...) are split into ordinary tokens, never read as structure.
+
+    A fast tokenizer is asked through a private copy of its backend that always splits them
+    (:func:`splitting_backend`): asking the tokenizer itself switches a flag on the backend it
+    shares with every thread, so a prompt built meanwhile in another thread (a server's media
+    thread) would have its own special tokens split, and this question would not."""
+    backend = splitting_backend(tokenizer)
+    if backend is None:  # a slow tokenizer splits per call, with no shared state
+        return list(tokenizer(question, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    return backend.encode(question, add_special_tokens=False).ids
+
+
+_SPLITTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SPLITTING_LOCK = threading.Lock()
+
+
+def splitting_backend(tokenizer):
+    """A fast ``tokenizer``'s backend copied once, with no truncation or padding, splitting
+    special tokens (None for a slow tokenizer). The copy is read only: threads may share it."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not hasattr(backend, "encode_special_tokens"):
+        return None
+    with _SPLITTING_LOCK:
+        copy = _SPLITTING.get(tokenizer)
+        if copy is None:
+            copy = _SPLITTING[tokenizer] = Tokenizer.from_str(backend.to_str())
+            copy.no_truncation()
+            copy.no_padding()
+            copy.encode_special_tokens = True
+    return copy
 
 
 def question_standin(tokenizer, rendered: str) -> str | None:
