@@ -207,7 +207,7 @@ _SPLITTING_LOCK = threading.Lock()
 def splitting_backend(tokenizer):
     """A fast ``tokenizer``'s backend copied once, with no truncation or padding, splitting
     special tokens (None for a slow tokenizer). The copy is read only: threads may share it."""
-    backend = getattr(tokenizer, "_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     if not hasattr(backend, "encode_special_tokens"):
         return None
     with _SPLITTING_LOCK:
