@@ -42,7 +42,7 @@ class PatchProjection(nn.Module):
 def projectable(module: nn.Module) -> bool:
     """Whether ``module`` is a convolution whose patches do not overlap (kernel = stride)."""
     return (isinstance(module, nn.Conv3d) and module.stride == module.kernel_size and module.padding == (0, 0, 0)
-            and module.dilation == (1, 1, 1) and module.groups == 1 and module.padding_mode == "zeros")
+            and module.dilation == (1, 1, 1) and module.groups == 1)
 
 
 def project_patches(model: nn.Module) -> int:
