@@ -585,7 +585,7 @@ def test_a_prefix_whose_first_client_left_is_still_made_for_the_requests_waiting
         h.until(lambda: h.queued() == 2)
         with pytest.raises(httpx.ReadTimeout):
             leaving.result()
-        time.sleep(1.0)  # the server sees the connection closed (it polls every 0.25 s)
+        time.sleep(1.0)  # the server sees the connection closed
         h.releases[0].set()
         h.releases[1].set()
         assert first.result() == expected[(NEEDLE.name, QUESTIONS[0])]

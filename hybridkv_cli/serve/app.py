@@ -31,8 +31,6 @@ from hybridkv_cli.serve.schema import parse_chat
 from hybridkv_cli.serve.settings import ServeSettings
 from hybridkv_cli.serve.worker import Ticket, Worker
 
-#: how often a waiting request checks that its client is still there (seconds)
-DISCONNECT_POLL_S = 0.25
 #: a body up to this size is parsed, decoded and hashed on the event loop (well under a
 #: millisecond: less than the hop to a thread); a larger one in a thread, not to stall the loop
 INLINE_BODY_BYTES = 256 * 1024
@@ -105,7 +103,7 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        status = 500
+        status, gone = 500, None
         try:
             authorize(request)
             try:
@@ -118,20 +116,23 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
             ticket = (make_ticket(body, loop) if len(body) <= INLINE_BODY_BYTES else
                       await run_in_threadpool(lambda: make_ticket(body, loop)))
             worker.submit(ticket)
-            first = await next_event(ticket, request)
+            gone = asyncio.ensure_future(disconnected(request))
+            first = await next_event(ticket, gone)
             if first is None:  # the client left before anything was answered
                 status = 499
                 return Response(status_code=499)
             if first[0] == "error":
                 raise first[1]
-            response = (streamed(ticket, first) if ticket.chat.stream else
-                        await completed(ticket, first, request))
+            # a stream's response watches its client itself (and ends the stream when it leaves)
+            response = streamed(ticket, first) if ticket.chat.stream else await completed(ticket, first, gone)
             status = response.status_code
             return response
         except ApiError as e:
             status = e.status
             return error_response(e)
         finally:
+            if gone is not None:
+                gone.cancel()
             metrics.request(status)
 
     def make_ticket(body: bytes, loop) -> Ticket:
@@ -142,9 +143,9 @@ def create_app(worker: Worker, settings: ServeSettings, metrics: Metrics) -> Fas
         chat = parse_chat(parsed, settings)
         return worker.ticket(chat, resolve_all(chat.media, settings), loop)
 
-    async def completed(ticket: Ticket, event, request: Request) -> Response:
+    async def completed(ticket: Ticket, event, gone: asyncio.Future) -> Response:
         while event is not None and event[0] in ("delta", "end"):
-            event = await next_event(ticket, request)
+            event = await next_event(ticket, gone)
         if event is None:
             return Response(status_code=499)
         kind, data = event
@@ -229,17 +230,26 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def next_event(ticket: Ticket, request: Request):
-    """The ticket's next event, or None (the ticket cancelled) when the client disconnects first."""
+async def disconnected(request: Request) -> None:
+    """Returns when the client of ``request`` (its body read) disconnects: the server's next
+    message on the connection is then ``http.disconnect``. One wait a request, not a poll."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except OSError:  # the connection failed some other way: gone all the same
+        return
+
+
+async def next_event(ticket: Ticket, gone: asyncio.Future):
+    """The ticket's next event, or None (the ticket cancelled) when its client disconnects first
+    (``gone``: :func:`disconnected` of its request)."""
     getter = asyncio.ensure_future(ticket.events.get())
     try:
-        while True:
-            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return getter.result()
-            if await request.is_disconnected():
-                ticket.cancelled = True
-                return None
+        await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        ticket.cancelled = True
+        return None
     finally:
         if not getter.done():
             getter.cancel()
