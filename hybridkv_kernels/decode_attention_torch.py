@@ -105,8 +105,10 @@ def chunk_decode_attention_torch(queries, stores, q_lens, scale=None):
     On the CPU a step's cost is mostly per op, so the stores of one shape (:func:`_shape`, and
     one chunk length: the questions of one prefix share it) are attended together: the scores of
     all their heads go side by side into one padded buffer, masked, scaled and normalised by one op
-    each, and only the products of a head with its own rows (views of its store: nothing is
-    copied) and of a store's generated rows (one ``bmm`` for all its heads) stay per store. A
+    each. A small store's heads (:func:`_copied`) are copied into padded ``[heads, width, d]``
+    keys and values, so the products of all the group's heads are one ``bmm`` each; a larger
+    store's heads are read in place (views: the copy would cost about what the attention reads),
+    each head's products its own, and a store's generated rows one ``bmm`` for all its heads. A
     store's numbers do not depend on the others: every op it meets has the shapes it has alone.
     """
     spans = []
@@ -114,11 +116,12 @@ def chunk_decode_attention_torch(queries, stores, q_lens, scale=None):
     for i, (q, s, q_len) in enumerate(zip(queries, stores, q_lens)):
         check_ragged(q, *s[:7], q_len)
         spans.append(list(zip(s.offsets.tolist(), s.lengths.tolist())))
-        groups.setdefault((*_shape(s, spans[-1]), q_len), []).append(i)
+        groups.setdefault((*_shape(s, spans[-1]), q_len, _copied(s, spans[-1])), []).append(i)
     out = [None] * len(stores)
-    for (*_, q_len), index in groups.items():
+    for (*_, q_len, copied), index in groups.items():
         part = torch.cat([queries[i] for i in index]) if len(index) > 1 else queries[index[0]]
-        attended = _together(part, [stores[i] for i in index], [spans[i] for i in index], scale, q_len)
+        attend = _copied_together if copied else _together
+        attended = attend(part, [stores[i] for i in index], [spans[i] for i in index], scale, q_len)
         for i, o in zip(index, attended.split([queries[i].shape[0] for i in index])):
             out[i] = o
     return out
@@ -128,6 +131,52 @@ def _shape(store, spans) -> tuple:
     """What stores attended together share: the padded width (their longest head), the generated
     rows and the element types (``spans``: the store's heads as (offset, length))."""
     return max((length for _, length in spans), default=0), store.n_gen, store.keys.dtype, store.values.dtype
+
+
+#: A store whose heads' keys and values, padded to its longest head, take at most this many
+#: bytes is attended from a padded copy (:func:`_copied_together`): below it the ops a head
+#: costs in place outweigh the copy.
+COPIED_BYTES = 1 << 19
+
+
+def _copied(store, spans) -> bool:
+    """Whether ``store`` (its heads' ``spans``) is attended from a padded copy of its heads."""
+    width = _shape(store, spans)[0]
+    return len(spans) * width * store.keys.shape[1] * (store.keys.element_size() + store.values.element_size()) \
+        <= COPIED_BYTES
+
+
+def _copied_together(q, stores, spans, scale, q_len: int = 1):
+    """:func:`_together` of small stores: every head's rows gathered into padded
+    ``[heads, width, d]`` keys and values (the rows past a head's length masked: weight 0 and
+    value 0, as what they copy may be a slot not yet written), so each product is one ``bmm``
+    for the whole group."""
+    rows, group, d = q.shape
+    scale = d ** -0.5 if scale is None else float(scale)
+    width, n_gen, key_type, value_type = _shape(stores[0], spans[0])
+    keys = torch.cat([s.keys for s in stores]) if len(stores) > 1 else stores[0].keys
+    values = torch.cat([s.values for s in stores]) if len(stores) > 1 else stores[0].values
+    first, lengths, base = [], [], 0
+    for s, heads in zip(stores, spans):
+        first += [base + offset for offset, _ in heads]
+        lengths += [length for _, length in heads]
+        base += s.keys.shape[0]
+    column = torch.arange(width, device=q.device)
+    hidden = column >= torch.tensor(lengths, device=q.device)[:, None]  # [rows, width] past a head's rows
+    index = (torch.tensor(first, device=q.device)[:, None] + column).clamp_(max=max(base - 1, 0))
+    qk = q.to(key_type)
+    scores = torch.bmm(qk, keys[index].transpose(1, 2)).masked_fill_(hidden[:, None], float("-inf"))
+    if n_gen:
+        gen_k = torch.cat([s.gen_k[:, :n_gen] for s in stores])
+        scores = torch.cat([scores, torch.bmm(qk, gen_k.transpose(1, 2))], dim=2)
+    if q_len > 1:  # a chunk: each position sees its own and the earlier positions' rows
+        scores[:, :, width:].masked_fill_(chunk_mask(group, n_gen, q_len, q.device), float("-inf"))
+    p = torch.softmax(scores.float().mul_(scale), dim=-1).to(value_type)
+    prompt = p[:, :, :width].masked_fill_(hidden[:, None], 0)  # an empty head with no generated rows: zeros
+    out = torch.bmm(prompt, values[index].masked_fill_(hidden[:, :, None], 0)).float()
+    if n_gen:
+        out.add_(torch.bmm(p[:, :, width:], torch.cat([s.gen_v[:, :n_gen] for s in stores])).float())
+    return out.to(q.dtype)
 
 
 def _together(q, stores, spans, scale, q_len: int = 1):

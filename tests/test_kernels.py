@@ -118,10 +118,14 @@ def _stores(shapes, d, n_gen_of, seed):
     return out
 
 
+@pytest.mark.parametrize("copied", [True, False], ids=["padded-copy", "in-place"])
 @pytest.mark.parametrize("n_gen", [0, 3])
-def test_batched_attention_torch_is_each_store_alone(n_gen):
+def test_batched_attention_torch_is_each_store_alone(n_gen, copied, monkeypatch):
     """The torch path attends stores of one shape together (here two pairs, interleaved, one with an
-    empty head): exactly each store's output alone, and the reference's."""
+    empty head), small stores from a padded copy of their heads and larger ones in place (here
+    forced): exactly each store's output alone, and the reference's."""
+    if not copied:
+        monkeypatch.setattr(sys.modules["hybridkv_kernels.decode_attention_torch"], "COPIED_BYTES", 0)
     d, G = 16, 3
     stores = _stores([[5, 0, 9], [4, 7], [5, 0, 9], [4, 7], [2]], d, lambda i: n_gen if i < 4 else 1, 0)
     heads = [s.num_heads for s in stores]

@@ -76,11 +76,15 @@ def test_without_step_work_every_position_is_the_step_of_its_own_token(case):
         torch.testing.assert_close(out[:, :, t], one, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("copied", [True, False], ids=["padded-copy", "in-place"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_chunks_of_several_members_attended_together_are_each_alone(case):
+def test_chunks_of_several_members_attended_together_are_each_alone(case, copied, monkeypatch):
     """A packed read's layer: the members' step work in one pass (their retrieval queries of
-    different group sizes padded to one) and their chunks in one attention give each member
-    the output and the state its own :meth:`LayerKV.attend` gives."""
+    different group sizes padded to one) and their chunks in one attention (small stores from a
+    padded copy, larger ones in place: here forced) give each member the output and the state its
+    own :meth:`LayerKV.attend` gives."""
+    if not copied:
+        monkeypatch.setattr(sys.modules["hybridkv_kernels.decode_attention_torch"], "COPIED_BYTES", 0)
     lengths = [5, 1, 8]
     layers = [compressed(*CASES[case], seed=i)[0] for i in range(len(lengths))]
     alone = copy.deepcopy(layers)
