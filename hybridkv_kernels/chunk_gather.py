@@ -22,6 +22,7 @@ one kernel (``gather_plan_kernel``) before the copy kernel.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -146,22 +147,23 @@ def copy_assigned(targets: list[GatherTarget], assign: torch.Tensor) -> None:
     resident = first.resident if len(targets) == 1 else torch.cat([t.resident for t in targets])
     sel = assign >= 0
     rows, slots = sel.nonzero(as_tuple=True)  # the one host sync (on CUDA): the CPU must know what to copy
-    src = rows * C + assign[rows, slots]  # row of the targets' host chunks, head after head
     base = (first.slot_base if len(targets) == 1 else torch.cat([t.slot_base for t in targets]))
     dst = base.to(device=dev, dtype=torch.int64)[rows] + slots * c
     dst = (dst[:, None] + torch.arange(c, device=dev)).reshape(-1)  # [misses * c] store rows
-    starts = [0]
-    for h in heads:
-        starts.append(starts[-1] + h)
-    # each target's misses (rows ascend: nonzero is row-major)
-    cuts = [0, rows.numel()] if len(targets) == 1 else torch.searchsorted(
-        rows, torch.tensor(starts, device=rows.device)).tolist()
     held = torch.where(sel, assign, resident).split(heads)
-    for t, h0, a, b, now in zip(targets, starts, cuts, cuts[1:], held):
-        if b > a:
-            _copy_chunks(t, (src[a:b] - h0 * C).cpu(), dst[a * c:b * c])
+    if len(targets) == 1:
+        src, counts = rows * C + assign[rows, slots], [rows.numel()]
+    else:  # each target's misses (rows ascend: nonzero is row-major), by its own heads' rows
+        starts = torch.tensor([0, *accumulate(heads)], device=rows.device)
+        owner = torch.searchsorted(starts, rows, right=True) - 1
+        src = (rows - starts[owner]) * C + assign[rows, slots]
+        counts = torch.bincount(owner, minlength=len(targets)).tolist()
+    for t, now, chunks, at, n in zip(targets, held, src.cpu().split(counts), dst.split([n * c for n in counts]),
+                                     counts):
+        if n:
+            _copy_chunks(t, chunks, at)
             t.resident.copy_(now)
-            t.moved.add_((b - a) * c * d * 2 * t.host_k.element_size())
+            t.moved.add_(n * c * d * 2 * t.host_k.element_size())
 
 
 def _copy_chunks(t: GatherTarget, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -173,7 +175,8 @@ def _copy_chunks(t: GatherTarget, src: torch.Tensor, dst: torch.Tensor) -> None:
     dev = t.store_k.device
     if dev.type != "cuda":
         for host, store in zip(flat, stores):
-            store.index_copy_(0, dst, host.index_select(0, src).view(m * c, d).to(device=dev, dtype=store.dtype))
+            rows = host.index_select(0, src).view(m * c, d)
+            store.index_copy_(0, dst, rows if rows.dtype == store.dtype else rows.to(store.dtype))
         return
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)
