@@ -119,13 +119,20 @@ class _Rebuilder:
     def __init__(self, storages: dict[str, torch.Tensor], checked: bool = True):
         self.storages = storages
         self.checked = checked  # a tree read from a file is checked; one flatten() just made is not
+        self.typed: dict[tuple, torch.Tensor] = {}  # (storage, dtype) -> the storage viewed as that dtype
         self.objects: dict[int, Any] = {}
         self.depth = 0
 
     def tensor(self, spec) -> torch.Tensor:
-        if not self.checked:
-            return torch.empty(0, dtype=DTYPES[spec["dtype"]], device=self.storages[spec["s"]].device).set_(
-                self.storages[spec["s"]].untyped_storage(), spec["off"], spec["shape"], spec["stride"])
+        if not self.checked:  # a trusted tree (a clone): a view of its storage as the dtype, made once
+            typed = self.typed.get((spec["s"], spec["dtype"]))
+            if typed is None:
+                data, dtype = self.storages[spec["s"]], DTYPES[spec["dtype"]]
+                typed = self.typed[spec["s"], spec["dtype"]] = (
+                    data.view(dtype) if data.numel() % dtype.itemsize == 0 else
+                    torch.empty(0, dtype=dtype, device=data.device).set_(data.untyped_storage(), 0,
+                                                                        [data.numel() // dtype.itemsize]))
+            return typed.as_strided(spec["shape"], spec["stride"], spec["off"])
         if type(spec) is not dict or set(spec) != {"s", "dtype", "shape", "stride", "off"}:
             raise GraphError("a tensor without its storage, dtype, shape, stride and offset")
         data = self.storages.get(spec["s"]) if type(spec["s"]) is str else None
