@@ -13,6 +13,8 @@ torch reference unpacks them into fp32, a tile of tokens at a time.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from .chunk_topk import _topk_ids_from_scores, launch_topk
@@ -22,7 +24,8 @@ from .swap_cap import cap_scores
 __all__ = ["aligned_rows", "code_row", "pack_keys", "quant_key_scores_torch", "quant_key_topk", "unpack_codes"]
 
 SHIFTS = (0, 2, 4, 6)  # channel 4j + s sits at bits 2s of byte j
-TILE_TOKENS = 512  # tokens the torch path unpacks at a time
+TILE_TOKENS = 512  # the fewest tokens the torch path unpacks at a time ...
+TILE_BYTES = 1 << 17  # ... and more while one head's tile of fp32 codes stays within this (a small head dim)
 ROW_ALIGN = 128  # bytes: a code row starts on a 128-byte line, so a kernel's tile of a row is whole lines
 
 
@@ -65,8 +68,13 @@ def pack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     """The 2-bit codes of :func:`pack_keys` as fp32 [H, d, P]."""
-    shifts = torch.tensor(SHIFTS, dtype=torch.uint8, device=codes.device)[:, None]
-    return ((codes.unsqueeze(2) >> shifts) & 3).flatten(1, 2).float()
+    return ((codes.unsqueeze(2) >> _shifts(codes.device)) & 3).flatten(1, 2).float()
+
+
+@lru_cache(maxsize=None)
+def _shifts(device: torch.device) -> torch.Tensor:
+    """[4, 1] uint8: each code's shift in its byte, made once a device."""
+    return torch.tensor(SHIFTS, dtype=torch.uint8, device=device)[:, None]
 
 
 def _check(q, codes, bounds, chunk):
@@ -83,22 +91,30 @@ def quant_key_scores_torch(q, codes, bounds, chunk: int) -> torch.Tensor:
     """Chunk scores [H, C] fp32: ``max_g max_t q[h, g] · (low + scale * code[h, :, t])`` over
     the ``chunk`` tokens of each chunk.
 
-    Tiled over the tokens, about 512 at a time: the unpacked fp32 codes of a whole long prompt
-    (16 bytes a channel-token) would be a fresh allocation of tens of MB a step, whose first
-    touch costs more than the arithmetic (5x slower at 16k tokens on the CPU); a tile stays in
-    cache and in the allocator's reuse.
+    Tiled over the tokens, 512 at a time (more with a small head dim, :data:`TILE_BYTES`; never
+    by the head count, so a head's numbers are the same in any batch): the unpacked fp32 codes
+    of a whole long prompt (16 bytes a code byte) would be a fresh allocation of tens of MB a
+    step, whose first touch costs more than the arithmetic (5x slower at 16k tokens on the CPU);
+    a tile stays in cache and in the allocator's reuse.
     """
     _check(q, codes, bounds, chunk)
     qf = q.float()
     low, scale = bounds.float().unbind(1)
     scaled, bias = qf * scale[:, None], (qf * low[:, None]).sum(-1, keepdim=True)
+
+    def best_of(part):  # host codes (HostKeys): a copy a tile
+        part = part if part.device == q.device else part.to(q.device)
+        return (torch.bmm(scaled, unpack_codes(part)) + bias).amax(dim=1)
+
     tokens = codes.shape[2]
-    tile = chunk * max(1, TILE_TOKENS // chunk)
-    best = torch.empty(q.shape[0], tokens, dtype=torch.float32, device=q.device)
-    for start in range(0, tokens, tile):
-        part = codes[:, :, start:start + tile].to(q.device)  # host codes (HostKeys): a copy a tile
-        best[:, start:start + part.shape[2]] = (torch.bmm(scaled, unpack_codes(part)) + bias).amax(dim=1)
-    return best.unflatten(1, (-1, chunk)).amax(dim=2)
+    tile = chunk * max(1, max(TILE_TOKENS, TILE_BYTES // (4 * q.shape[2])) // chunk)
+    if tokens <= tile:
+        best = best_of(codes)
+    else:
+        best = torch.empty(q.shape[0], tokens, dtype=torch.float32, device=q.device)
+        for start in range(0, tokens, tile):
+            best[:, start:start + tile] = best_of(codes[:, :, start:start + tile])
+    return best if chunk == 1 else best.unflatten(1, (-1, chunk)).amax(dim=2)
 
 
 def launch_scores(q, codes, bounds, chunk: int, *, table=None, tokens: int | None = None,
