@@ -20,7 +20,9 @@ to a healthy ``/health``), then
 
 The videos are the demo's synthetic clips (``training/synthetic.py``: 112x112, 64 frames by
 default, ``--frames`` for longer ones), written to a temporary folder and sent as ``data:`` URLs.
-The load phase uses videos of its own, so its caches start cold.
+The load phase uses videos of its own, so its caches start cold. ``--ttft-video FILE`` adds a
+video file of the user's size to phase 1 (e.g. the repository's ``sample_media/shapes.mp4``,
+320x240): each server asks it two questions (``TTFT_QUESTIONS``) after the synthetic clips'.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def make_videos(folder: Path, count: int, seed: int, frames: int) -> list[tuple[
             continue
         path = folder / f"clip{seed}-{len(videos)}.mp4"
         S.write_mp4(path, scene.video)
-        videos.append(("data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode(), questions))
+        videos.append((file_url(path), questions))
     return videos
 
 
@@ -103,6 +105,14 @@ def first_token(client, url: str, question: str) -> tuple[float, str]:
     return ttft if ttft is not None else time.perf_counter() - start, "".join(text)
 
 
+#: what phase 1 asks about a ``--ttft-video`` (any two questions: the second reads the kept prefix)
+TTFT_QUESTIONS = ("What happens in the video?", "What colour is the first shape?")
+
+
+def file_url(path: Path) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU time of process ``pid`` so far (Linux ``/proc``; None elsewhere)."""
     try:
@@ -131,6 +141,11 @@ def run_setting(max_batch: int, args, ttft_videos, load_videos, serial: bool = F
         for url, questions in ttft_videos:
             first.append(first_token(client, url, questions[0])[0])
             second.append(first_token(client, url, questions[1])[0])
+        files = []  # after the clips: a warm server, as theirs after the first
+        for path in args.ttft_video:
+            url = file_url(path)
+            miss, hit = (first_token(client, url, question)[0] for question in TTFT_QUESTIONS)
+            files.append({"video": str(path), "ttft_first_s": miss, "ttft_second_s": hit, "ttft_ratio": miss / hit})
 
         def one_client(i: int) -> list[tuple]:
             url, questions = load_videos[i % len(load_videos)]
@@ -162,7 +177,7 @@ def run_setting(max_batch: int, args, ttft_videos, load_videos, serial: bool = F
     return {
         "max_batch": max_batch, "serial": serial, "startup_s": startup,
         "ttft_first_s": statistics.median(first), "ttft_second_s": statistics.median(second),
-        "ttft_ratio": statistics.median(first) / statistics.median(second),
+        "ttft_ratio": statistics.median(first) / statistics.median(second), "ttft_files": files,
         "answers": len(results), "failures": sum(r[4] is not None for r in results),
         "failure_reasons": dict(Counter(r[4] for r in results if r[4] is not None)), "wall_s": wall,
         "answers_per_s": len(results) / wall, "latency_p50_s": percentile(latencies, 0.5),
@@ -191,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[8], help="--max-batch of the batched servers")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                         help="more flags for `hybridkv serve` (last on the line)")
+    parser.add_argument("--ttft-video", type=Path, nargs="*", default=[], metavar="FILE",
+                        help="video files whose first and second question phase 1 also times")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
@@ -204,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["throughput_vs_one_at_a_time"] = r["answers_per_s"] / serial["answers_per_s"]
     summary = {"clients": args.clients, "videos": args.videos, "requests_per_client": args.requests,
-               "frames": args.frames, "server_args": args.server_args, "settings": rows, "same_answers": same}
+               "frames": args.frames, "ttft_videos": [str(p) for p in args.ttft_video], "server_args": args.server_args, "settings": rows, "same_answers": same}
     for r in rows:
         label = f"max-batch {r['max_batch']:>3}" + (" one at a time" if r["serial"] else "")
         print(f"{label}: startup {r['startup_s']:.1f} s | TTFT first {r['ttft_first_s'] * 1e3:.0f} ms, second "
@@ -212,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['wall_s']:.1f} s = {r['answers_per_s']:.1f}/s, p50 {r['latency_p50_s'] * 1e3:.0f} ms, p99 "
               f"{r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed{failed(r)} | cache {r['hits']} hits / "
               f"{r['misses']} misses | CPU s: server {r['server_cpu_s'] or float('nan'):.2f}, clients "
-              f"{r['client_cpu_s']:.2f} | decoding KV peak {r['kv_device_bytes_peak'] / 2**20:.2f} MiB")
+              f"{r['client_cpu_s']:.2f} | decoding KV peak {r['kv_device_bytes_peak'] / 2**20:.2f} MiB"
+              + "".join(f" | {Path(f['video']).name}: TTFT first {f['ttft_first_s'] * 1e3:.0f} ms, second "
+                        f"{f['ttft_second_s'] * 1e3:.0f} ms ({f['ttft_ratio']:.1f}x)" for f in r["ttft_files"]))
     print("throughput vs one at a time: " + ", ".join(f"max-batch {r['max_batch']} "
                                                       f"{r['throughput_vs_one_at_a_time']:.1f}x" for r in rows[:-1])
           + f"; every setting gave the same answers: {same}")
