@@ -353,3 +353,23 @@ def test_a_copy_shares_the_offloaded_kv_and_no_question_writes_the_kept_state(de
         theirs)
     if method in ("hybridkv", "rcr", "retentivekv"):  # methods that offload: their host KV is shared
         assert ours
+
+
+@pytest.mark.parametrize("method", ["hybridkv", "snapkv"])
+def test_a_question_copy_of_the_kept_state_is_one_allocation_of_its_own(demo, video, method):
+    """Each question's copy puts what decoding writes in one buffer of its own (one copy, not one a
+    tensor), apart from the prefix's and every other copy's, and shares the rest."""
+    from hybridkv_cli.engine.graph import flatten
+
+    tok = demo.processor.tokenizer
+    p = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
+    prefix = compress_prefix(demo.model, p, make_policy(method, budget=0.2), QuestionTemplate.of(tok, p,
+                                                                                                  TEMPLATE_QUESTION))
+    storages, info, _ = flatten(prefix.state)
+    kept = {key: data.data_ptr() for key, data in storages.items() if data.numel()}
+    fixed = {kept[key] for key in kept if info[key]["fixed"]}
+    copies = [flatten([layer.kv for layer in prefix.take(torch.device("cpu"))[0].layers])[0] for _ in range(2)]
+    written = [{data.data_ptr() for data in copy.values() if data.numel()} - fixed for copy in copies]
+    assert all(len(w) == 1 for w in written)
+    assert written[0].isdisjoint(written[1]) and written[0].isdisjoint(kept.values())
+    assert all(fixed <= {data.data_ptr() for data in copy.values()} for copy in copies)

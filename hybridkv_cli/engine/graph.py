@@ -13,7 +13,7 @@ holding tensors. :func:`flatten` turns such a graph into
 and :func:`rebuild` turns them back into a graph of new objects. A kind is a key of a fixed table
 and a dtype a key of another: nothing in a tree is imported or looked up by attribute, no
 constructor runs, and every attribute must be one its kind declares, of the declared type.
-:func:`clone` is the two in one process: an independent copy of a compressed state (pinned host
+:class:`Cloner` is the two in one process: independent copies of a compressed state (pinned host
 memory stays pinned).
 """
 
@@ -225,22 +225,70 @@ def rebuild(storages: dict[str, torch.Tensor], tree: Any, checked: bool = True) 
         return _Rebuilder(storages, checked)(tree)
 
 
-def clone(graph: Any, flat: tuple | None = None) -> Any:
-    """A copy of ``graph`` that decodes independently: every object new, every storage copied
-    once (views stay views of the copy, pinned host memory stays pinned) but the ``fixed`` ones
-    -- the offloaded KV and its landmarks, which nothing writes -- shared. ``flat``:
-    ``flatten(graph)`` made earlier, for a graph cloned many times that does not change."""
-    storages, info, tree = flat or flatten(graph)
-    with torch.inference_mode():
-        copies = {}
+#: where each storage a copy writes starts in its group's one buffer (a multiple of every dtype's
+#: size, and of the CUDA allocator's own alignment, so kernels see what a storage of its own gives)
+ALIGN = 512
+
+
+class Cloner:
+    """Copies of one flattened graph that decode independently, made many times
+    (a kept prefix is copied for each question): every object new; the storages something writes
+    copied, those of a device and kind of memory together (one ``cat`` into one buffer, pinned host
+    memory staying pinned, each storage at an aligned offset in it); the ``fixed`` ones -- the
+    offloaded KV and its landmarks, which nothing writes -- shared, their tensors made once and
+    given to every copy."""
+
+    def __init__(self, storages: dict[str, torch.Tensor], info: dict[str, dict], tree: Any):
+        self.storages, self.tree = storages, tree
+        self.groups: list[tuple] = []  # (device, pinned, the storages and pads in order, bytes)
+        self.where: dict[str, tuple[int, int]] = {}  # written storage -> (its group, its byte offset)
+        grouped: dict[tuple, list[str]] = {}
         for key, data in storages.items():
-            if info[key]["fixed"]:
-                copies[key] = data
-            elif info[key]["pinned"]:
-                copies[key] = host_empty(data.shape, torch.uint8).copy_(data)
-            else:
-                copies[key] = data.clone()
-    return rebuild(copies, tree, checked=False)
+            if not info[key]["fixed"]:
+                grouped.setdefault((data.device, info[key]["pinned"]), []).append(key)
+        for (device, pinned), keys in grouped.items():
+            parts, size = [], 0
+            for key in keys:
+                self.where[key] = (len(self.groups), size)
+                parts.append(storages[key])
+                size += storages[key].numel()
+                if size % ALIGN:
+                    parts.append(torch.zeros(ALIGN - size % ALIGN, dtype=torch.uint8, device=device))
+                    size += parts[-1].numel()
+            self.groups.append((device, pinned, parts, size))
+        self.shared: dict[int, torch.Tensor] = {}  # id of a fixed tensor's spec -> its tensor, for every copy
+
+    def __call__(self) -> Any:
+        with torch.inference_mode():
+            buffers = []
+            for device, pinned, parts, size in self.groups:
+                out = host_empty((size,), torch.uint8) if pinned else torch.empty(size, dtype=torch.uint8,
+                                                                                  device=device)
+                buffers.append(torch.cat(parts, out=out) if parts else out)
+            return _Copier(self, buffers)(self.tree)
+
+
+class _Copier(_Rebuilder):
+    """A trusted tree rebuilt over a :class:`Cloner`'s buffers: a written tensor a view of its
+    group's buffer as its dtype (one view a dtype), a fixed one the cloner's own."""
+
+    def __init__(self, cloner: Cloner, buffers: list[torch.Tensor]):
+        super().__init__(cloner.storages, checked=False)
+        self.cloner, self.buffers = cloner, buffers
+
+    def tensor(self, spec) -> torch.Tensor:
+        where = self.cloner.where.get(spec["s"])
+        if where is None:
+            shared = self.cloner.shared.get(id(spec))
+            if shared is None:
+                shared = self.cloner.shared[id(spec)] = super().tensor(spec)
+            return shared
+        group, start = where
+        dtype = DTYPES[spec["dtype"]]
+        typed = self.typed.get((group, dtype))
+        if typed is None:
+            typed = self.typed[group, dtype] = self.buffers[group].view(dtype)
+        return typed.as_strided(spec["shape"], spec["stride"], start // dtype.itemsize + spec["off"])
 
 
 def to_device(graph: Any, device: torch.device) -> Any:

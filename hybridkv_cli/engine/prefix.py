@@ -20,7 +20,7 @@ import torch
 from hybridkv_cli.compression import Policy
 from hybridkv_cli.compression.cache import PolicyCache, layer_count, policy_attention
 from hybridkv_cli.compression.store import to_host
-from hybridkv_cli.engine.graph import clone, flatten, rebuild
+from hybridkv_cli.engine.graph import Cloner, flatten, rebuild
 from hybridkv_cli.engine.measure import Meter, now
 from hybridkv_cli.engine.stream import Streaming, positions, stream_prefill
 from hybridkv_cli.models.prompt import Prompt, QuestionTemplate
@@ -64,6 +64,7 @@ class Prefix:
     text_deltas: torch.Tensor | None = None  # mRoPE offset of the text after the prefix (None: rope_deltas)
     parked: bool = False  # its device state is in host memory (:meth:`park`): decoded only after :meth:`unpark`
     _flat: tuple | None = field(default=None, repr=False)  # a shared prefix's state flattened once, to clone
+    _cloner: Cloner | None = field(default=None, repr=False)  # its copies' maker, made from ``_flat`` once
 
     def rope_for_suffix(self) -> torch.Tensor | None:
         """The mRoPE offset of the text after the prefix -- a question read after it, then the
@@ -105,9 +106,10 @@ class Prefix:
             cache, self.cache = self.cache, None
             return cache, self.meter
         meter = Meter(device)  # the copy counts as the job's own time
-        if self._flat is None:  # a shared prefix is never decoded itself: its flattened state holds
-            self._flat = flatten(self.state)
-        return self.cache_of(self.policy, clone(self.state, self._flat), self.seen, self.visual, device,
+        if self._cloner is None:  # a shared prefix is never decoded itself: its state is copied, the
+            self._flat = self._flat or flatten(self.state)  # same way for every question
+            self._cloner = Cloner(*self._flat)
+        return self.cache_of(self.policy, self._cloner(), self.seen, self.visual, device,
                              prefill_peak_bytes=self.prefill_peak_bytes, compress_seconds=self.compress_seconds,
                              streamed=self.cache.streamed), meter
 
@@ -118,7 +120,7 @@ class Prefix:
         where the device is the CPU."""
         storages, info, tree = self._flat or flatten(self.state)
         host = {key: to_host(data) if info[key]["device"] != "cpu" else data for key, data in storages.items()}
-        return replace(self, cache=self._rebuilt(host, tree), parked=True, _flat=(host, info, tree),
+        return replace(self, cache=self._rebuilt(host, tree), parked=True, _flat=(host, info, tree), _cloner=None,
                        logits=None if self.logits is None else self.logits.cpu())  # read with .to(device)
 
     def unpark(self) -> Prefix:
@@ -127,7 +129,7 @@ class Prefix:
         with torch.inference_mode():
             back = {key: data.to(info[key]["device"], non_blocking=True) if info[key]["device"] != "cpu" else data
                     for key, data in host.items()}
-        return replace(self, cache=self._rebuilt(back, tree), parked=False, _flat=None)
+        return replace(self, cache=self._rebuilt(back, tree), parked=False, _flat=None, _cloner=None)
 
     def _rebuilt(self, storages: dict, tree) -> PolicyCache:
         return self.cache_of(self.policy, rebuild(storages, tree, checked=False), self.seen, self.visual,
