@@ -3,7 +3,7 @@
     python benchmarks/prefix_copy.py --out benchmarks/results/prefix_copy.json
 
 Every question (``-Q``, a ``.hkv`` file, a server's cached prefix) decodes a copy of the compressed
-state (``engine.graph.clone``). The offloaded KV and its landmarks are never written after
+state (``engine.graph.Cloner``). The offloaded KV and its landmarks are never written after
 compression, so the copy shares them and copies only what decoding writes. One layer at the
 Qwen2.5-VL-7B attention geometry (4 KV heads of 128, 7 query heads each, bf16), random KV of N
 prompt tokens, compressed by ``hybridkv`` at b = 0.1; the copy is timed with every storage copied
@@ -27,11 +27,12 @@ from hybridkv_cli.engine import graph
 HEADS, GROUP, DIM, LAYERS = 4, 7, 128, 28
 
 
-def copy_ms(state, flat, repeats: int = 5) -> float:
-    graph.clone(state, flat)
+def copy_ms(flat, repeats: int = 5) -> float:
+    copy = graph.Cloner(*flat)
+    copy()
     start = time.perf_counter()
     for _ in range(repeats):
-        graph.clone(state, flat)
+        copy()
     return (time.perf_counter() - start) / repeats * 1e3
 
 
@@ -43,8 +44,8 @@ def measure(tokens: int, landmark: str) -> dict:
     state = [make_policy("hybridkv", budget=0.1, landmark=landmark).compress(layer).kv]
     storages, info, tree = graph.flatten(state)
     fixed = sum(data.numel() for key, data in storages.items() if info[key]["fixed"])
-    shared = copy_ms(state, (storages, info, tree))
-    everything = copy_ms(state, (storages, {key: {**i, "fixed": False} for key, i in info.items()}, tree))
+    shared = copy_ms((storages, info, tree))
+    everything = copy_ms((storages, {key: {**i, "fixed": False} for key, i in info.items()}, tree))
     total = sum(data.numel() for data in storages.values())
     return {"tokens": tokens, "landmark": landmark, "state_mib_per_layer": total / 2**20,
             "fixed_mib_per_layer": fixed / 2**20, "copy_all_ms": everything * LAYERS, "copy_shared_ms": shared * LAYERS,

@@ -356,20 +356,29 @@ def test_a_copy_shares_the_offloaded_kv_and_no_question_writes_the_kept_state(de
 
 
 @pytest.mark.parametrize("method", ["hybridkv", "snapkv"])
-def test_a_question_copy_of_the_kept_state_is_one_allocation_of_its_own(demo, video, method):
+@pytest.mark.parametrize("buffer_bytes", [None, 4096])
+def test_a_question_copy_of_the_kept_state_is_one_allocation_of_its_own(demo, video, method, buffer_bytes,
+                                                                         monkeypatch):
     """Each question's copy puts what decoding writes in one buffer of its own (one copy, not one a
-    tensor), apart from the prefix's and every other copy's, and shares the rest."""
+    tensor; several where it outgrows a buffer's bytes), apart from the prefix's and every other
+    copy's, shares the rest, and answers as the prefix does."""
+    from hybridkv_cli.engine import graph
     from hybridkv_cli.engine.graph import flatten
 
     tok = demo.processor.tokenizer
     p = build_prompt(demo.processor, video, TEMPLATE_QUESTION)
-    prefix = compress_prefix(demo.model, p, make_policy(method, budget=0.2), QuestionTemplate.of(tok, p,
-                                                                                                  TEMPLATE_QUESTION))
+    template = QuestionTemplate.of(tok, p, TEMPLATE_QUESTION)
+    prefix = compress_prefix(demo.model, p, make_policy(method, budget=0.2), template)
+    want = answer(demo.model, prefix, template.suffix(tok, QUESTIONS[1]), max_new_tokens=NEW).tokens
+    if buffer_bytes is not None:  # a kept prefix copied again, over buffers of this size
+        monkeypatch.setattr(graph, "BUFFER_BYTES", buffer_bytes)
+        prefix = compress_prefix(demo.model, p, make_policy(method, budget=0.2), template)
+    assert answer(demo.model, prefix, template.suffix(tok, QUESTIONS[1]), max_new_tokens=NEW).tokens == want
     storages, info, _ = flatten(prefix.state)
     kept = {key: data.data_ptr() for key, data in storages.items() if data.numel()}
     fixed = {kept[key] for key in kept if info[key]["fixed"]}
     copies = [flatten([layer.kv for layer in prefix.take(torch.device("cpu"))[0].layers])[0] for _ in range(2)]
     written = [{data.data_ptr() for data in copy.values() if data.numel()} - fixed for copy in copies]
-    assert all(len(w) == 1 for w in written)
+    assert all(len(w) == 1 for w in written) if buffer_bytes is None else all(len(w) > 1 for w in written)
     assert written[0].isdisjoint(written[1]) and written[0].isdisjoint(kept.values())
     assert all(fixed <= {data.data_ptr() for data in copy.values()} for copy in copies)

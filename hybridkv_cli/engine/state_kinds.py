@@ -105,7 +105,7 @@ _HOST_KV = frozenset({"host_k", "host_v"})
 def read_only(kind: str) -> frozenset[str]:
     """The attributes of ``kind`` whose tensors nothing writes once a layer is compressed: the
     offloaded prompt KV and every landmark. A copy of a compressed state shares them
-    (:func:`hybridkv_cli.engine.graph.clone`), so a question about a kept prefix copies what its
+    (:class:`hybridkv_cli.engine.graph.Cloner`), so a question about a kept prefix copies what its
     decoding writes (the store, the slots, the counters), not the host KV."""
     if kind in _LANDMARKS:
         return frozenset(attributes(kind))
