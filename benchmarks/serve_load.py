@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import base64
 import json
+import mimetypes
 import os
 import re
 import socket
@@ -110,7 +111,8 @@ TTFT_QUESTIONS = ("What happens in the video?", "What colour is the first shape?
 
 
 def file_url(path: Path) -> str:
-    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+    kind = mimetypes.guess_type(path.name)[0] or "video/mp4"
+    return f"data:{kind};base64," + base64.b64encode(path.read_bytes()).decode()
 
 
 def cpu_seconds(pid: int) -> float | None:
