@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["throughput_vs_one_at_a_time"] = r["answers_per_s"] / serial["answers_per_s"]
     summary = {"clients": args.clients, "videos": args.videos, "requests_per_client": args.requests,
-               "frames": args.frames, "ttft_videos": [str(p) for p in args.ttft_video], "server_args": args.server_args, "settings": rows, "same_answers": same}
+               "frames": args.frames, "ttft_videos": [str(p) for p in args.ttft_video],
+               "server_args": args.server_args, "settings": rows, "same_answers": same}
     for r in rows:
         label = f"max-batch {r['max_batch']:>3}" + (" one at a time" if r["serial"] else "")
         print(f"{label}: startup {r['startup_s']:.1f} s | TTFT first {r['ttft_first_s'] * 1e3:.0f} ms, second "

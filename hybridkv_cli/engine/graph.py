@@ -235,13 +235,12 @@ BUFFER_BYTES = 16 << 20
 
 
 class Cloner:
-    """Copies of one flattened graph that decode independently, made many times
-    (a kept prefix is copied for each question): every object new; the storages something writes
-    copied, those of a device and kind of memory by one ``cat`` into one buffer (pinned host
-    memory staying pinned, each storage at an aligned offset in it; a buffer holds up to
-    :data:`BUFFER_BYTES`); the ``fixed`` ones -- the
-    offloaded KV and its landmarks, which nothing writes -- shared, their tensors made once and
-    given to every copy."""
+    """Copies of one flattened graph that decode independently, made many times (a kept prefix
+    is copied for each question): every object new; the storages something writes copied, those
+    of a device and kind of memory by one ``cat`` into one buffer (pinned host memory staying
+    pinned, each storage at an aligned offset in it; a buffer holds up to :data:`BUFFER_BYTES`);
+    the ``fixed`` ones -- the offloaded KV and its landmarks, which nothing writes -- shared,
+    their tensors made once and given to every copy."""
 
     def __init__(self, storages: dict[str, torch.Tensor], info: dict[str, dict], tree: Any):
         self.storages, self.tree = storages, tree
