@@ -149,7 +149,6 @@ def copy_assigned(targets: list[GatherTarget], assign: torch.Tensor) -> None:
     rows, slots = sel.nonzero(as_tuple=True)  # the one host sync (on CUDA): the CPU must know what to copy
     base = (first.slot_base if len(targets) == 1 else torch.cat([t.slot_base for t in targets]))
     dst = base.to(device=dev, dtype=torch.int64)[rows] + slots * c
-    dst = (dst[:, None] + torch.arange(c, device=dev)).reshape(-1)  # [misses * c] store rows
     held = torch.where(sel, assign, resident).split(heads)
     if len(targets) == 1:
         src, counts = rows * C + assign[rows, slots], [rows.numel()]
@@ -158,40 +157,43 @@ def copy_assigned(targets: list[GatherTarget], assign: torch.Tensor) -> None:
         owner = torch.searchsorted(starts, rows, right=True) - 1
         src = (rows - starts[owner]) * C + assign[rows, slots]
         counts = torch.bincount(owner, minlength=len(targets)).tolist()
-    for t, now, chunks, at, n in zip(targets, held, src.cpu().split(counts), dst.split([n * c for n in counts]),
-                                     counts):
+    if c > 1:  # chunks -> their token rows [misses * c], a chunk's c rows in a run
+        run = torch.arange(c, device=dev)
+        src, dst = (src[:, None] * c + run).reshape(-1), (dst[:, None] + run).reshape(-1)
+    sizes = [n * c for n in counts]
+    for t, now, src_rows, dst_rows, n in zip(targets, held, src.cpu().split(sizes), dst.split(sizes), counts):
         if n:
-            _copy_chunks(t, chunks, at)
+            _copy_chunks(t, src_rows, dst_rows)
             t.resident.copy_(now)
             t.moved.add_(n * c * d * 2 * t.host_k.element_size())
 
 
 def _copy_chunks(t: GatherTarget, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Host chunks ``src`` of ``t`` into its store rows ``dst``."""
-    H, C, c, d = t.host_k.shape
+    """Host token rows ``src`` of ``t`` (its chunks' rows, head after head) into its store rows ``dst``."""
+    d = t.host_k.shape[-1]
     m = src.numel()
-    flat = [t.host_k.reshape(H * C, c, d), t.host_v.reshape(H * C, c, d)]
+    flat = [t.host_k.reshape(-1, d), t.host_v.reshape(-1, d)]
     stores = [t.store_k, t.store_v]
     dev = t.store_k.device
     if dev.type != "cuda":
         for host, store in zip(flat, stores):
-            rows = host.index_select(0, src).view(m * c, d)
+            rows = host.index_select(0, src)
             store.index_copy_(0, dst, rows if rows.dtype == store.dtype else rows.to(store.dtype))
         return
     main = torch.cuda.current_stream(dev)
     side = _side_stream(dev)
     bufs = []
     for host in flat:
-        stage = torch.empty((m, c, d), dtype=host.dtype, pin_memory=True)
+        stage = torch.empty((m, d), dtype=host.dtype, pin_memory=True)
         torch.index_select(host, 0, src, out=stage)
         with torch.cuda.stream(side):  # allocated in the side stream's pool
-            buf = torch.empty((m, c, d), dtype=host.dtype, device=dev)
+            buf = torch.empty((m, d), dtype=host.dtype, device=dev)
             buf.copy_(stage, non_blocking=True)
         buf.record_stream(main)  # consumed on main: not reused before that finishes
         bufs.append(buf)
     main.wait_stream(side)
     for buf, store in zip(bufs, stores):
-        store.index_copy_(0, dst, buf.view(m * c, d).to(store.dtype))
+        store.index_copy_(0, dst, buf.to(store.dtype))
 
 
 def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None, read=0):

@@ -111,12 +111,12 @@ def chunk_decode_attention_torch(queries, stores, q_lens, scale=None):
     each head's products its own, and a store's generated rows one ``bmm`` for all its heads. A
     store's numbers do not depend on the others: every op it meets has the shapes it has alone.
     """
-    spans = []
-    groups: dict[tuple, list[int]] = {}
-    for i, (q, s, q_len) in enumerate(zip(queries, stores, q_lens)):
+    for q, s, q_len in zip(queries, stores, q_lens):
         check_ragged(q, *s[:7], q_len)
-        spans.append(list(zip(s.offsets.tolist(), s.lengths.tolist())))
-        groups.setdefault((*_shape(s, spans[-1]), q_len, _copied(s, spans[-1])), []).append(i)
+    spans = _spans(stores)
+    groups: dict[tuple, list[int]] = {}
+    for i, (s, heads, q_len) in enumerate(zip(stores, spans, q_lens)):
+        groups.setdefault((*_shape(s, heads), q_len, _copied(s, heads)), []).append(i)
     out = [None] * len(stores)
     for (*_, q_len, copied), index in groups.items():
         part = torch.cat([queries[i] for i in index]) if len(index) > 1 else queries[index[0]]
@@ -125,6 +125,18 @@ def chunk_decode_attention_torch(queries, stores, q_lens, scale=None):
         for i, o in zip(index, attended.split([queries[i].shape[0] for i in index])):
             out[i] = o
     return out
+
+
+def _spans(stores) -> list[list[tuple[int, int]]]:
+    """Each store's heads as (offset, length), read on the host in one go (a read per store
+    would cost ops per store)."""
+    flat = torch.cat([t for s in stores for t in (s.offsets, s.lengths)]).tolist()
+    spans, at = [], 0
+    for s in stores:
+        heads = s.offsets.numel()
+        spans.append(list(zip(flat[at:at + heads], flat[at + heads:at + 2 * heads])))
+        at += 2 * heads
+    return spans
 
 
 def _shape(store, spans) -> tuple:

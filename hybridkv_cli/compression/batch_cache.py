@@ -28,11 +28,11 @@ class BatchLayer(MembersLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         """Every member's new token (``[B, H_kv, 1, d]``) into its own store, at the row the
         batch's device counts give (so a replayed step writes where it should)."""
-        rows = self.owner.rows
-        for b, cache in enumerate(self.owner.members):
+        owner = self.owner
+        for cache, row, k, v in zip(owner.members, owner.member_rows, key_states.unbind(0), value_states.unbind(0)):
             store = cache.layers[self.index].kv.store
-            store.gen_k.index_copy_(1, rows[b:b + 1], key_states[b])
-            store.gen_v.index_copy_(1, rows[b:b + 1], value_states[b])
+            store.gen_k.index_copy_(1, row, k)
+            store.gen_v.index_copy_(1, row, v)
         return key_states, value_states
 
 
@@ -114,6 +114,7 @@ class BatchCache(AttendingCache):
         # this step writes: a step's appends and attention read them, never a host count.
         self.counts = torch.zeros(0, dtype=torch.long, device=device)
         self.rows = torch.zeros(0, dtype=torch.long, device=device)
+        self.member_rows: tuple[torch.Tensor, ...] = ()  # each member's [1] view of rows (made as members change)
         self.planned = False
         super().__init__([BatchLayer(i, self) for i in range(num_layers)])
 
@@ -142,6 +143,7 @@ class BatchCache(AttendingCache):
         return bool(full)
 
     def _replan(self) -> None:
+        self.member_rows = self.rows.split(1)
         for layer in self.layers:
             layer.kv.plan = None
         self.planned = bool(self.members) and all(c.replayable for c in self.members) and (
