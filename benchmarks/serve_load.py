@@ -23,6 +23,11 @@ default, ``--frames`` for longer ones), written to a temporary folder and sent a
 The load phase uses videos of its own, so its caches start cold. ``--ttft-video FILE`` adds a
 video file of the user's size to phase 1 (e.g. the repository's ``sample_media/shapes.mp4``,
 320x240): each server asks it two questions (``TTFT_QUESTIONS``) after the synthetic clips'.
+
+Runs on a shared machine vary by a tenth or more, so ``--rounds R`` runs every setting R times
+(the settings' order reversed every other round, so a drift of the machine's speed falls on all
+of them) and reports each number's median over the rounds with the lowest and highest of the
+answers/s and the two ratios; each round's ratio is against that round's one-at-a-time server.
 """
 
 from __future__ import annotations
@@ -193,6 +198,35 @@ def run_setting(max_batch: int, args, ttft_videos, load_videos, serial: bool = F
     }
 
 
+def median_row(rows: list[dict]) -> dict:
+    """One setting's rounds as one row: each number the median of its rounds (failures: their
+    sum, with every reason), each ``--ttft-video`` file's likewise, and ``spread``: the lowest and
+    highest of the rounds' answers/s and ratios."""
+    first = rows[0]
+    row = {key: middle([r[key] for r in rows]) if isinstance(value, (int, float)) and not isinstance(value, bool)
+           else value for key, value in first.items()}
+    row["failures"] = sum(r["failures"] for r in rows)
+    row["cancelled"] = sum(r["cancelled"] for r in rows)
+    row["failure_reasons"] = dict(sum((Counter(r["failure_reasons"]) for r in rows), Counter()))
+    row["ttft_files"] = [{**f, **{key: middle([r["ttft_files"][i][key] for r in rows])
+                                  for key in ("ttft_first_s", "ttft_second_s", "ttft_ratio")}}
+                         for i, f in enumerate(first["ttft_files"])]
+    row["spread"] = {key: [min(r[key] for r in rows), max(r[key] for r in rows)]
+                     for key in ("answers_per_s", "throughput_vs_one_at_a_time", "ttft_ratio")}
+    return row
+
+
+def middle(values: list):
+    """The median; of counts, the lower middle one (a count stays whole)."""
+    return statistics.median_low(values) if all(isinstance(v, int) for v in values) else statistics.median(values)
+
+
+def spread(row: dict, key: str) -> str:
+    """`` [lowest-highest]`` of a number over the rounds (nothing for one round)."""
+    low, high = row["spread"][key]
+    return "" if low == high else f" [{low:.1f}-{high:.1f}]"
+
+
 def failed(row: dict) -> str:
     """The reasons of a setting's failed requests and its server's cancellations, for the summary line."""
     reasons = "; ".join(f"{n}x {reason[:120]}" for reason, n in row["failure_reasons"].items())
@@ -210,33 +244,46 @@ def main(argv: list[str] | None = None) -> int:
                         help="more flags for `hybridkv serve` (last on the line)")
     parser.add_argument("--ttft-video", type=Path, nargs="*", default=[], metavar="FILE",
                         help="video files whose first and second question phase 1 also times")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every setting this many times, alternating their order; report medians")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         ttft_videos = make_videos(Path(folder), args.videos, 1, args.frames)
         load_videos = make_videos(Path(folder), args.videos, 2, args.frames)
-    rows = [run_setting(b, args, ttft_videos, load_videos) for b in (*args.batch, 1)]
-    rows.append(run_setting(1, args, ttft_videos, load_videos, serial=True))
-    answers = [r.pop("answers_by_question") for r in rows]
+    plan = [(b, False) for b in (*args.batch, 1)] + [(1, True)]
+    rounds = []
+    for r in range(args.rounds):  # every other round in reverse: a drift of the machine's speed cancels out
+        order = plan if r % 2 == 0 else plan[::-1]
+        rows = {setting: run_setting(setting[0], args, ttft_videos, load_videos, serial=setting[1]) for setting in order}
+        rows = [rows[setting] for setting in plan]
+        for row in rows:
+            row["throughput_vs_one_at_a_time"] = row["answers_per_s"] / rows[-1]["answers_per_s"]
+        rounds.append(rows)
+    answers = [row.pop("answers_by_question") for rows in rounds for row in rows]
     same = all(a == answers[-1] for a in answers)
-    serial = rows[-1]
-    for r in rows:
-        r["throughput_vs_one_at_a_time"] = r["answers_per_s"] / serial["answers_per_s"]
+    settings = [median_row([rows[i] for rows in rounds]) for i in range(len(plan))]
     summary = {"clients": args.clients, "videos": args.videos, "requests_per_client": args.requests,
                "frames": args.frames, "ttft_videos": [str(p) for p in args.ttft_video],
-               "server_args": args.server_args, "settings": rows, "same_answers": same}
-    for r in rows:
+               "server_args": args.server_args, "rounds": len(rounds), "settings": settings,
+               "each_round": rounds if len(rounds) > 1 else None, "same_answers": same}
+    if len(rounds) > 1:
+        print(f"medians of {len(rounds)} rounds [lowest-highest]:")
+    for r in settings:
         label = f"max-batch {r['max_batch']:>3}" + (" one at a time" if r["serial"] else "")
         print(f"{label}: startup {r['startup_s']:.1f} s | TTFT first {r['ttft_first_s'] * 1e3:.0f} ms, second "
-              f"{r['ttft_second_s'] * 1e3:.0f} ms ({r['ttft_ratio']:.1f}x) | {r['answers']} answers in "
-              f"{r['wall_s']:.1f} s = {r['answers_per_s']:.1f}/s, p50 {r['latency_p50_s'] * 1e3:.0f} ms, p99 "
-              f"{r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed{failed(r)} | cache {r['hits']} hits / "
-              f"{r['misses']} misses | CPU s: server {r['server_cpu_s'] or float('nan'):.2f}, clients "
-              f"{r['client_cpu_s']:.2f} | decoding KV peak {r['kv_device_bytes_peak'] / 2**20:.2f} MiB"
+              f"{r['ttft_second_s'] * 1e3:.0f} ms ({r['ttft_ratio']:.1f}x{spread(r, 'ttft_ratio')}) | {r['answers']} "
+              f"answers in {r['wall_s']:.1f} s = {r['answers_per_s']:.1f}/s{spread(r, 'answers_per_s')}, p50 "
+              f"{r['latency_p50_s'] * 1e3:.0f} ms, p99 {r['latency_p99_s'] * 1e3:.0f} ms, {r['failures']} failed"
+              f"{failed(r)} | cache {r['hits']} hits / {r['misses']} misses | CPU s: server "
+              f"{r['server_cpu_s'] or float('nan'):.2f}, clients {r['client_cpu_s']:.2f} | decoding KV peak "
+              f"{r['kv_device_bytes_peak'] / 2**20:.2f} MiB"
               + "".join(f" | {Path(f['video']).name}: TTFT first {f['ttft_first_s'] * 1e3:.0f} ms, second "
                         f"{f['ttft_second_s'] * 1e3:.0f} ms ({f['ttft_ratio']:.1f}x)" for f in r["ttft_files"]))
     print("throughput vs one at a time: " + ", ".join(f"max-batch {r['max_batch']} "
-                                                      f"{r['throughput_vs_one_at_a_time']:.1f}x" for r in rows[:-1])
+                                                      f"{r['throughput_vs_one_at_a_time']:.1f}x"
+                                                      f"{spread(r, 'throughput_vs_one_at_a_time')}"
+                                                      for r in settings[:-1])
           + f"; every setting gave the same answers: {same}")
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1) + "\n")
