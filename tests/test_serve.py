@@ -925,7 +925,7 @@ def test_the_command_starts_fast_and_answers(tmp_path):
     assert bad.returncode == 2 and "--prefix-cache-dir" in bad.stderr and "Traceback" not in bad.stderr
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo", "--port",
-                             str(port), "--quiet", "--served-model-name", "video-qa"], stderr=subprocess.PIPE, text=True,
+                             str(port), "--served-model-name", "video-qa"], stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
         while time.perf_counter() - started < 30:
@@ -936,10 +936,16 @@ def test_the_command_starts_fast_and_answers(tmp_path):
                 time.sleep(0.1)
         ready = time.perf_counter() - started
         assert ready < 20, ready  # 5-7 s alone (docs/serve.md); room for a suite running beside it
+        base = f"http://127.0.0.1:{port}"
+        for name in ("hybridkv_prefix_cache_entries", "hybridkv_prefix_cache_misses_total",
+                     "hybridkv_generated_tokens_total"):  # its warm-up request left nothing behind
+            assert metric(base, name, key=None) == 0, name
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         r = httpx.post(url, json={**_good(data_url(NEEDLE)), "model": "video-qa"}, timeout=60)  # the served name
         assert r.json()["choices"][0]["message"]["content"] == "red" and r.json()["model"] == "video-qa"
         assert httpx.post(url, json=_good(data_url(NEEDLE)), timeout=60).status_code == 404  # not the path's
     finally:
         proc.terminate()
-        assert proc.wait(15) == 0, proc.stderr.read()
+        assert proc.wait(15) == 0
+    log = " ".join(proc.stderr.read().split())  # (the console wraps its lines)
+    assert "warmed up in" in log and "warm-up request failed" not in log, log

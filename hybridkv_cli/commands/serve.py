@@ -62,6 +62,9 @@ def serve(
                                        "arrive (408 after)."),
     max_media_bytes: str = typer.Option("256MiB", metavar="SIZE", help="Media bytes of one request, decoded."),
     max_messages: int = typer.Option(64, min=1, help="Messages of one request."),
+    warm_up: bool = typer.Option(True, "--warm-up/--no-warm-up", help="Before the port opens, answer one small "
+                                 "request about a clip made here, so the first client's does not pay the one-time "
+                                 "set-up (the video library's, the processor's, the kernels')."),
     quiet: bool = QUIET, debug: bool = DEBUG, options=None,
 ):
     import logging
@@ -103,6 +106,7 @@ def serve(
 
         from hybridkv_cli.serve.app import create_app
         from hybridkv_cli.serve.metrics import Metrics
+        from hybridkv_cli.serve.warmup import warm_up as warm_up_with
         from hybridkv_cli.serve.worker import Worker
     except ImportError as e:
         raise UsageError(f"needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"",
@@ -117,11 +121,17 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print_warning(f"listening on {host} without --api-key: anyone who can reach it can use the model")
     metrics = Metrics()
-    app = create_app(Worker(session, settings, limits, metrics), settings, metrics)
+    worker = Worker(session, settings, limits, metrics)
+    warmed = ""
+    if warm_up:
+        try:
+            warmed = f"; warmed up in {warm_up_with(session, worker.policy(None, None)):.1f} s"
+        except Exception as e:  # it still serves: a request that fails the same way gets its own error
+            print_warning(f"the warm-up request failed ({e}); the first request pays the one-time set-up")
+    app = create_app(worker, settings, metrics)
     if not quiet:
-        err.print(f"serving {model} as '{settings.model_id}' on http://{host}:{port}/v1 (max batch {max_batch}; Ctrl-C "
-                  "stops)",
-                  highlight=False)
+        err.print(f"serving {model} as '{settings.model_id}' on http://{host}:{port}/v1 (max batch {max_batch}"
+                  f"{warmed}; Ctrl-C stops)", highlight=False)
     # a stop waits at most 10 s for open streams before closing them
     uvicorn.run(app, host=host, port=port, log_level="debug" if debug else "warning" if quiet else "info",
                 access_log=not quiet, timeout_graceful_shutdown=10)
