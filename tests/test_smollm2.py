@@ -79,3 +79,13 @@ def test_a_streamed_prefill_at_budget_one_gives_the_one_pass_tokens(smollm2, con
                  streaming=Streaming("on", chunk=128, window=1 << 20))
     assert result["answer"] == full["answer"]
     assert result["streamed"]["chunks"] >= 5 and full["streamed"] is None
+
+
+def test_a_served_text_model_warms_up_on_text(smollm2):
+    """``hybridkv serve --model smollm2`` warms up with a text prompt (a text model takes no video),
+    so its startup has no failed warm-up to warn about."""
+    from hybridkv_cli.runs.session import AskOptions, Session
+    from hybridkv_cli.serve.warmup import warm_up
+
+    session = Session(AskOptions(model="smollm2", defer_question=True), loaded=smollm2)
+    assert warm_up(session, session.policy) > 0
