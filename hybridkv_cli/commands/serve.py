@@ -63,8 +63,8 @@ def serve(
     max_media_bytes: str = typer.Option("256MiB", metavar="SIZE", help="Media bytes of one request, decoded."),
     max_messages: int = typer.Option(64, min=1, help="Messages of one request."),
     warm_up: bool = typer.Option(True, "--warm-up/--no-warm-up", help="Before the port opens, answer one small "
-                                 "request about a clip made here, so the first client's does not pay the one-time "
-                                 "set-up (the video library's, the processor's, the kernels')."),
+                                 "request about a clip made here, so that the first client's request does not pay "
+                                 "the one-time set-up (the video library's, the processor's, the kernels')."),
     quiet: bool = QUIET, debug: bool = DEBUG, options=None,
 ):
     import logging
