@@ -62,7 +62,7 @@ def serve(
                                        "arrive (408 after)."),
     max_media_bytes: str = typer.Option("256MiB", metavar="SIZE", help="Media bytes of one request, decoded."),
     max_messages: int = typer.Option(64, min=1, help="Messages of one request."),
-    warm_up: bool = typer.Option(True, "--warm-up/--no-warm-up", help="Before the port opens, answer one small "
+    warm: bool = typer.Option(True, "--warm-up/--no-warm-up", help="Before the port opens, answer one small "
                                  "request about a clip made here, so that the first client's request does not pay "
                                  "the one-time set-up (the video library's, the processor's, the kernels')."),
     quiet: bool = QUIET, debug: bool = DEBUG, options=None,
@@ -106,7 +106,7 @@ def serve(
 
         from hybridkv_cli.serve.app import create_app
         from hybridkv_cli.serve.metrics import Metrics
-        from hybridkv_cli.serve.warmup import warm_up as warm_up_with
+        from hybridkv_cli.serve.warmup import warm_up
         from hybridkv_cli.serve.worker import Worker
     except ImportError as e:
         raise UsageError(f"needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"",
@@ -123,9 +123,9 @@ def serve(
     metrics = Metrics()
     worker = Worker(session, settings, limits, metrics)
     warmed = ""
-    if warm_up:
+    if warm:
         try:
-            warmed = f"; warmed up in {warm_up_with(session, worker.policy(None, None)):.1f} s"
+            warmed = f"; warmed up in {warm_up(session, worker.policy(None, None)):.1f} s"
         except Exception as e:  # it still serves: a request that fails the same way gets its own error
             print_warning(f"the warm-up request failed ({e}); the first request pays the one-time set-up")
     app = create_app(worker, settings, metrics)
