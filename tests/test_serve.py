@@ -940,6 +940,10 @@ def test_the_command_starts_fast_and_answers(tmp_path):
         for name in ("hybridkv_prefix_cache_entries", "hybridkv_prefix_cache_misses_total",
                      "hybridkv_generated_tokens_total"):  # its warm-up request left nothing behind
             assert metric(base, name, key=None) == 0, name
+        # what start-up made is out of the collector's full scans (~0.5M objects: ~190 ms each, docs/serve.md)
+        assert metric(base, "hybridkv_gc_frozen_objects", key=None) > 100_000
+        text = httpx.get(base + "/metrics").text
+        assert all(f'python_gc_collections_total{{generation="{g}"}}' in text for g in range(3)), text
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         r = httpx.post(url, json={**_good(data_url(NEEDLE)), "model": "video-qa"}, timeout=60)  # the served name
         assert r.json()["choices"][0]["message"]["content"] == "red" and r.json()["model"] == "video-qa"

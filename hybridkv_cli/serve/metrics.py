@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections import Counter, deque
@@ -100,7 +101,21 @@ class Metrics:
                     ("hybridkv_decoding_requests", "gauge", "requests decoding now", [("", self.members)]),
                     ("hybridkv_queue_length", "gauge", "requests waiting for the worker", [("", queued)])]
         lines = []
-        for name, kind, help_text, samples in rows:
+        for name, kind, help_text, samples in rows + collector_rows():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             lines += [f"{name}{labels} {value}" for labels, value in samples]
         return "\n".join(lines) + "\n"
+
+
+def collector_rows() -> list[tuple]:
+    """The Python garbage collector's counts, under the names Prometheus' Python client gives them,
+    and the objects frozen out of its scans at start-up."""
+    generations = list(enumerate(gc.get_stats()))
+    return [("python_gc_collections_total", "counter", "collections of each generation",
+             [(f'{{generation="{g}"}}', s["collections"]) for g, s in generations]),
+            ("python_gc_objects_collected_total", "counter", "objects collected in each generation",
+             [(f'{{generation="{g}"}}', s["collected"]) for g, s in generations]),
+            ("python_gc_objects_uncollectable_total", "counter", "uncollectable objects found in each generation",
+             [(f'{{generation="{g}"}}', s["uncollectable"]) for g, s in generations]),
+            ("hybridkv_gc_frozen_objects", "gauge", "objects made at start-up that the collector no longer scans",
+             [("", gc.get_freeze_count())])]
