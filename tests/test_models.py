@@ -442,6 +442,44 @@ def test_loaded_models_embed_patches_by_a_matrix_product_with_the_checkpoints_we
 
 
 # ----------------------------------------------------------------------------------------------
+# the vision encoder's windows of one length attended in one call
+# ----------------------------------------------------------------------------------------------
+
+
+def test_windows_are_grouped_by_length_and_empty_ones_dropped():
+    from hybridkv_cli.models.window_attention import windows_by_length
+
+    assert windows_by_length([0, 4, 8, 8, 10, 14, 16]) == {4: [0, 4, 10], 2: [8, 14]}
+    assert windows_by_length([0]) == {}
+
+
+@pytest.mark.parametrize("name", ["demo", "demo-random:qwen2vl", "demo-random:qwen3vl"])
+def test_loaded_vision_encoders_attend_windows_together_with_the_same_features(name):
+    from hybridkv_cli.models.patch_projection import project_patches
+    from hybridkv_cli.models.window_attention import WindowAttention, batch_windows
+
+    loaded = M.load_model(name, device="cpu", dtype="float32")
+    visual = loaded.model.model.visual
+    assert all(isinstance(block.attn, WindowAttention) for block in visual.blocks)
+    plain = M.loader_for(name).load(name, torch.device("cpu"), torch.float32)  # transformers' attention
+    project_patches(plain.model)  # (the one other change load_model makes)
+    plain.model.load_state_dict(loaded.model.state_dict())  # the parameters under the same names
+    patch = visual.patch_embed
+    width = patch.in_channels * patch.temporal_patch_size * patch.patch_size ** 2
+    # a video whose frames split into windows of several lengths (10 x 6 patches), then two images of two sizes
+    for grid in (torch.tensor([[4, 10, 6]]), torch.tensor([[1, 4, 4], [1, 6, 8]])):
+        pixels = torch.randn(int(grid.prod(dim=1).sum()), width)
+        with torch.no_grad():
+            ours, stock = (m.model.model.visual(pixels, grid_thw=grid) for m in (loaded, plain))
+        ours, stock = (getattr(x, "pooler_output", x) for x in (ours, stock))
+        assert torch.equal(ours, stock), (ours - stock).abs().max()
+    # flash attention already attends every window in one call: left alone
+    attn = plain.model.model.visual.blocks[0].attn
+    attn.config._attn_implementation = "flash_attention_2"
+    assert batch_windows(plain.model) == 0 and not isinstance(attn, WindowAttention)
+
+
+# ----------------------------------------------------------------------------------------------
 # questions tokenised as plain text, from any thread
 # ----------------------------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ The registry (:data:`LOADERS`) holds the names with a loader of their own:
 Any other name is a ``.gguf`` file, a local checkpoint directory or a hub id, loaded by the
 generic loader (:mod:`hybridkv_cli.models.checkpoints`). Every model comes back in eval mode on its
 device and dtype with ``"sdpa"`` attention, its vision patch convolution a matrix product
-(:mod:`hybridkv_cli.models.patch_projection`).
+(:mod:`hybridkv_cli.models.patch_projection`) and its vision attention windows of one length attended
+in one call (:mod:`hybridkv_cli.models.window_attention`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hybridkv_cli.io.errors import ModelError
 from hybridkv_cli.models import checkpoints, demo, tiny_models
 from hybridkv_cli.models.loaded import LoadedModel, resolve_device, resolve_dtype
 from hybridkv_cli.models.patch_projection import project_patches
+from hybridkv_cli.models.window_attention import batch_windows
 
 __all__ = ["DEFAULT_MODEL", "LOADERS", "Loader", "load_model", "loader_for", "max_pixels_for"]
 
@@ -98,4 +100,5 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
     dt = resolve_dtype(dtype, dev)
     loaded = loader_for(name).load(name, dev, dt)
     project_patches(loaded.model)
+    batch_windows(loaded.model)
     return loaded
