@@ -3,12 +3,11 @@
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL encode a video's patches in attention windows (a frame pair,
 or a window of it), given as ``cu_seqlens``. With flash attention transformers attends them all in
 one variable-length call; with SDPA, the default, it calls attention once per window: 96 calls
-for the demo's 64-frame clip, and for Qwen2.5-VL-7B on 64 frames of 448x448 about 14,000 (512
-windows in each of its 28 windowed blocks), each a kernel launch on a GPU. :class:`WindowAttention`
-stacks the windows of each length into one batch and makes one SDPA call of it, which computes
-every window exactly as its own call does (the same output bit for bit, tested on the CPU for
-every family).
-Every model :func:`load_model <hybridkv_cli.models.registry.load_model>` loads whose vision
+for the demo's 64-frame clip, and for Qwen2.5-VL-7B on 64 frames of 448x448 about 14,500 (512
+windows in each of its 28 windowed blocks, a frame pair's in each of the 4 others), each a kernel
+launch on a GPU. :class:`WindowAttention` stacks the windows of each length into one batch and
+makes one SDPA call of it, which computes every window exactly as its own call does (the same
+output bit for bit, tested on the CPU for every family). Every model :func:`load_model <hybridkv_cli.models.registry.load_model>` loads whose vision
 encoder runs SDPA gets it in place of that attention: the same parameters under the same names.
 """
 
