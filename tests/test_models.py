@@ -453,22 +453,23 @@ def test_windows_are_grouped_by_length_and_empty_ones_dropped():
     assert windows_by_length([0]) == {}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["demo", "demo-random:qwen2vl", "demo-random:qwen3vl"])
-def test_loaded_vision_encoders_attend_windows_together_with_the_same_features(name):
+def test_loaded_vision_encoders_attend_windows_together_with_the_same_features(name, dtype):
     from hybridkv_cli.models.patch_projection import project_patches
     from hybridkv_cli.models.window_attention import WindowAttention, batch_windows
 
-    loaded = M.load_model(name, device="cpu", dtype="float32")
+    loaded = M.load_model(name, device="cpu", dtype=str(dtype).removeprefix("torch."))
     visual = loaded.model.model.visual
     assert all(isinstance(block.attn, WindowAttention) for block in visual.blocks)
-    plain = M.loader_for(name).load(name, torch.device("cpu"), torch.float32)  # transformers' attention
+    plain = M.loader_for(name).load(name, torch.device("cpu"), dtype)  # transformers' attention
     project_patches(plain.model)  # (the one other change load_model makes)
     plain.model.load_state_dict(loaded.model.state_dict())  # the parameters under the same names
     patch = visual.patch_embed
     width = patch.in_channels * patch.temporal_patch_size * patch.patch_size ** 2
     # a video whose frames split into windows of several lengths (10 x 6 patches), then two images of two sizes
     for grid in (torch.tensor([[4, 10, 6]]), torch.tensor([[1, 4, 4], [1, 6, 8]])):
-        pixels = torch.randn(int(grid.prod(dim=1).sum()), width)
+        pixels = torch.randn(int(grid.prod(dim=1).sum()), width, dtype=dtype)
         with torch.no_grad():
             ours, stock = (m.model.model.visual(pixels, grid_thw=grid) for m in (loaded, plain))
         ours, stock = (getattr(x, "pooler_output", x) for x in (ours, stock))
