@@ -31,7 +31,7 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import free_port, make_videos, messages, percentile  # noqa: E402
+from serve_load import free_port, make_videos, messages, percentile, wait_healthy  # noqa: E402
 
 #: runs the server with every collection timed; SIGUSR1 writes the pauses so far to argv[1] and clears them
 LAUNCHER = """
@@ -74,14 +74,7 @@ def run_setting(setting: str, args, videos, folder: Path) -> dict:
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     base = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                if proc.poll() is not None:
-                    raise SystemExit(f"the server did not start (exit {proc.poll()})")
-                time.sleep(0.05)
+        wait_healthy(proc, base)
         pauses(proc, base, dump)  # start-up's collections: not the load's
         latencies, lock = [], threading.Lock()
 

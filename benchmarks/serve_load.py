@@ -86,12 +86,19 @@ def start_server(max_batch: int, extra: list[str]) -> tuple[subprocess.Popen, st
                              "--max-batch", str(max_batch), "--queue-size", "1024", "--quiet", *extra],
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     base = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, base)
+    return proc, base, time.perf_counter() - started
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, limit_s: float = 120) -> None:
+    """Back once the server ``proc`` at ``base`` answers ``/health``; exits if it dies or takes too long."""
+    started = time.perf_counter()
     while True:
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base, time.perf_counter() - started
+                return
         except httpx.TransportError:
-            if proc.poll() is not None or time.perf_counter() - started > 120:
+            if proc.poll() is not None or time.perf_counter() - started > limit_s:
                 raise SystemExit(f"the server did not start (exit {proc.poll()})")
             time.sleep(0.05)
 

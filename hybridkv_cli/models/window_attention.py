@@ -7,8 +7,9 @@ for the demo's 64-frame clip, and for Qwen2.5-VL-7B on 64 frames of 448x448 abou
 windows in each of its 28 windowed blocks, a frame pair's in each of the 4 others), each a kernel
 launch on a GPU. :class:`WindowAttention` stacks the windows of each length into one batch and
 makes one SDPA call of it, which computes every window exactly as its own call does (the same
-output bit for bit, tested on the CPU for every family). Every model :func:`load_model <hybridkv_cli.models.registry.load_model>` loads whose vision
-encoder runs SDPA gets it in place of that attention: the same parameters under the same names.
+output bit for bit, tested on the CPU for every family). Every model :func:`load_model
+<hybridkv_cli.models.registry.load_model>` loads whose vision encoder runs SDPA gets it in place of
+that attention: the same parameters under the same names.
 """
 
 from __future__ import annotations
