@@ -301,6 +301,22 @@ def test_frame_memory():
     assert one_hour.video == 3600 * 3 * 364 * 644 and one_hour.chunk < one_hour.video / 50
 
 
+def test_resize_a_few_frames_at_a_time_is_the_whole_chunks_resize(monkeypatch):
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as TF
+
+    frames = torch.randint(0, 256, (7, 3, 90, 120), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    whole = TF.resize(frames, [56, 84], interpolation=InterpolationMode.BICUBIC, antialias=True)
+    monkeypatch.setattr(decoders, "RESIZE_BYTES", 2 * 4 * 3 * 90 * 120)  # two frames' float pixels a call
+    calls = []
+    real = TF.resize
+    monkeypatch.setattr(TF, "resize", lambda x, *a, **k: calls.append(len(x)) or real(x, *a, **k))
+    out = decoders.resize_chunk(frames, (56, 84))
+    assert calls == [2, 2, 2, 1]
+    assert out.dtype == torch.uint8 and torch.equal(out, whole)  # each frame's pixels as in one call
+    assert decoders.resize_chunk(frames, (90, 120)).data_ptr() == frames.data_ptr()  # its size already: as it is
+
+
 # --- the eager loader: the same frames as before the stream ----------------------------------------------
 #: sha256 (first 16 hex) of ``load_media(...).video`` from the loader before the stream refactor (commit
 #: a4a27f5), with PyAV 18.1.0, decord 0.6.0 and torch 2.14: identical frames, indices and counts since.

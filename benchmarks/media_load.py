@@ -1,0 +1,72 @@
+"""Milliseconds to load a video's 64 frames (decode, sample, resize), one thread, by source size.
+
+What every question about a new video pays on the host before the model sees it
+(:func:`hybridkv_cli.media.load_media`, as ``hybridkv ask`` and a server's prefix-cache miss
+call it). The videos are made here: 96 frames of a moving box (H.264, ``--sizes`` WxH), loaded
+at ``--max-pixels`` a frame (default: 448x448, Qwen2.5-VL's frame budget at 64 frames). Each
+time is the median of ``--rounds`` loads after one warm-up. Run it from each checkout to compare
+them (``PYTHONPATH=<checkout>``):
+
+    OMP_NUM_THREADS=1 python benchmarks/media_load.py
+    OMP_NUM_THREADS=1 PYTHONPATH=../old python benchmarks/media_load.py --sizes 640x480
+
+Prints one JSON object: per source size, the frames' shape, the decoder and the median ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+
+from hybridkv_cli.media import load_media
+
+
+def make_clip(path: Path, width: int, height: int, frames: int = 96) -> Path:
+    """A moving white box over a changing background, ``frames`` frames at 24 fps."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        box = max(8, width // 16)
+        for i in range(frames):
+            image = np.zeros((height, width, 3), np.uint8)
+            image[:, :, 1] = (2 * i) % 255
+            x = (i * width // frames) % (width - box)
+            image[height // 3:height // 3 + box, x:x + box] = 255
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["640x480", "1280x720", "1920x1080"])
+    parser.add_argument("--frames", type=int, default=64)
+    parser.add_argument("--max-pixels", type=int, default=448 * 448)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for size in args.sizes:
+            width, height = map(int, size.split("x"))
+            clip = make_clip(Path(folder) / f"{size}.mp4", width, height)
+            times = []
+            for _ in range(args.rounds + 1):
+                start = time.perf_counter()
+                media = load_media([clip], frames=args.frames, max_pixels=args.max_pixels)
+                times.append(time.perf_counter() - start)
+            out[size] = {"frames": list(media.video.shape), "decoder": media.decoder,
+                         "ms": round(1e3 * statistics.median(times[1:]), 1)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
