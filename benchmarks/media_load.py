@@ -1,8 +1,9 @@
-"""Milliseconds to load a video's 64 frames (decode, sample, resize), one thread, by source size.
+"""Milliseconds to load a video's 64 frames and build its prompt, one thread, by source size.
 
-What every question about a new video pays on the host before the model sees it
-(:func:`hybridkv_cli.media.load_media`, as ``hybridkv ask`` and a server's prefix-cache miss
-call it). The videos are made here: 96 frames of a moving box (H.264, ``--sizes`` WxH), loaded
+What every question about a new video pays on the host before the model sees it, as ``hybridkv
+ask`` and a server's prefix-cache miss pay it: the frames decoded, sampled and resized
+(:func:`hybridkv_cli.media.load_media`), then the prompt built (:func:`build_prompt`: the
+processor's pixels and tokens; the demo's processor, Qwen2.5-VL's). The videos are made here: 96 frames of a moving box (H.264, ``--sizes`` WxH), loaded
 at ``--max-pixels`` a frame (default: 448x448, Qwen2.5-VL's frame budget at 64 frames). Each
 time is the median of ``--rounds`` loads after one warm-up. Run it from each checkout to compare
 them (``PYTHONPATH=<checkout>``):
@@ -10,7 +11,8 @@ them (``PYTHONPATH=<checkout>``):
     OMP_NUM_THREADS=1 python benchmarks/media_load.py
     OMP_NUM_THREADS=1 PYTHONPATH=../old python benchmarks/media_load.py --sizes 640x480
 
-Prints one JSON object: per source size, the frames' shape, the decoder and the median ms.
+Prints one JSON object: per source size, the frames' shape, the decoder and the median ms of each
+step.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import numpy as np
 import torch
 
 from hybridkv_cli.media import load_media
+from hybridkv_cli.models.prompt import build_prompt
+from hybridkv_cli.models.registry import load_model
 
 
 def make_clip(path: Path, width: int, height: int, frames: int = 96) -> Path:
@@ -53,18 +57,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    processor = load_model("demo", device="cpu").processor
     out = {}
     with tempfile.TemporaryDirectory() as folder:
         for size in args.sizes:
             width, height = map(int, size.split("x"))
             clip = make_clip(Path(folder) / f"{size}.mp4", width, height)
-            times = []
+            load, prompt = [], []
             for _ in range(args.rounds + 1):
                 start = time.perf_counter()
                 media = load_media([clip], frames=args.frames, max_pixels=args.max_pixels)
-                times.append(time.perf_counter() - start)
+                load.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                build_prompt(processor, media, "What happens in the video?")
+                prompt.append(time.perf_counter() - start)
             out[size] = {"frames": list(media.video.shape), "decoder": media.decoder,
-                         "ms": round(1e3 * statistics.median(times[1:]), 1)}
+                         "load_ms": round(1e3 * statistics.median(load[1:]), 1),
+                         "prompt_ms": round(1e3 * statistics.median(prompt[1:]), 1)}
     print(json.dumps(out))
 
 

@@ -145,6 +145,25 @@ def test_qwen_processors_keep_the_media_layers_pixels(tiny, media, family):
             assert all(0.5 * max(pixels) < g <= max(pixels) for g in got)
 
 
+@pytest.mark.parametrize("frames", [4, 6, 8])
+@pytest.mark.parametrize("family", ["qwen25vl", *sorted(TINY_FAMILIES)])
+def test_a_clips_prompt_is_the_processors_own(tiny, files, family, frames, monkeypatch):
+    """A decoded clip's inputs, built a temporal group at a time where the family allows
+    (Qwen2/2.5-VL: its pixels a few frames at a time), equal the processor's own run on the
+    whole clip: every tensor, the pixels bit for bit."""
+    from hybridkv_cli.models import families
+
+    processor = tiny[family].processor
+    clip = load_media(files["video"], frames=frames)
+    grouped = build_prompt(processor, clip, QUESTION).inputs
+    assert families.repeats_video_groups(processor) == (family in ("qwen25vl", "qwen2vl"))
+    monkeypatch.setattr(families, "repeats_video_groups", lambda processor: False)  # the processor, whole clip
+    whole = build_prompt(processor, clip, QUESTION).inputs
+    assert set(grouped) == set(whole)
+    for key, value in whole.items():
+        assert torch.equal(grouped[key], value) if torch.is_tensor(value) else grouped[key] == value, key
+
+
 @pytest.mark.parametrize("kind", ["images", "video"])
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_full_is_stock_generate(tiny, media, family, kind):

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FAMILIES", "Family", "family_for_type", "media_kwargs", "supported_line", "visual_token_ids"]
+__all__ = ["FAMILIES", "Family", "family_for_type", "media_kwargs", "repeats_video_groups", "supported_line",
+           "visual_token_ids"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,13 @@ def visual_token_ids(processor) -> list[int]:
         if tid is not None and tid != tokenizer.unk_token_id and tid not in ids:
             ids.append(tid)
     return ids
+
+
+def repeats_video_groups(processor) -> bool:
+    """Whether a video's prompt is one temporal group's run of tokens repeated (Qwen2-VL /
+    Qwen2.5-VL: the media layer's grid, no timestamps in the text), so it can be built a group
+    at a time (:mod:`~hybridkv_cli.models.streamed_video`)."""
+    return _grid_factor(processor.video_processor) == QWEN_FACTOR
 
 
 def _grid_factor(sub) -> int | None:

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from hybridkv_cli.io.errors import UsageError
 from hybridkv_cli.media import MediaInput
 from hybridkv_cli.models import families
-from hybridkv_cli.models.streamed_video import FramePixels, streamed_video_inputs
+from hybridkv_cli.models.streamed_video import FramePixels, grouped_video_inputs, streamed_video_inputs
 
 VISUAL_PAD_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<image>", "<video>")  # never a question stand-in
 _MARKER = "\ue000"  # a private-use character: absent from any template, replaced after rendering
@@ -268,6 +268,8 @@ def build_prompt(processor, media: MediaInput, question: str, system: str | None
 
         if media.stream is not None:  # frames decoded while the prompt is read
             inputs = streamed_video_inputs(processor, text, media.stream, kwargs_for)
+        elif families.repeats_video_groups(processor):  # the same inputs, the pixels a few frames at a time
+            inputs = grouped_video_inputs(processor, text, media.video, kwargs_for)
         else:
             inputs = processor(text=[text], videos=[media.video], videos_kwargs=kwargs_for(media.frames_used),
                                return_tensors="pt")
