@@ -89,7 +89,8 @@ def grouped_video_inputs(processor, text: str, video: torch.Tensor, kwargs_for: 
         part = process(video[start:start + GROUP_FRAMES])
         if pixels is None:
             pixels = part.new_empty((groups * rows, part.shape[1]))
-        pixels[start // FRAME_FACTOR * rows:][:part.shape[0]] = part
+        at = start // FRAME_FACTOR * rows
+        pixels[at:at + part.shape[0]] = part
     inputs["pixel_values_videos"] = pixels
     return inputs
 
