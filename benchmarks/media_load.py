@@ -3,13 +3,17 @@
 What every question about a new video pays on the host before the model sees it, as ``hybridkv
 ask`` and a server's prefix-cache miss pay it: the frames decoded, sampled and resized
 (:func:`hybridkv_cli.media.load_media`), then the prompt built (:func:`build_prompt`: the
-processor's pixels and tokens; the demo's processor, Qwen2.5-VL's). The videos are made here: 96 frames of a moving box (H.264, ``--sizes`` WxH), loaded
+processor's pixels and tokens; the demo's processor, Qwen2.5-VL's). With ``--stream N`` also a
+long video read while it is prefilled (``ask --max-frames N``): N frames of a clip twice as long,
+its prompt built, then every pixel row produced as the prefill's 2,048-token chunks ask for them
+(decode, resize, processor). The videos are made here: 96 frames of a moving box (H.264, ``--sizes`` WxH), loaded
 at ``--max-pixels`` a frame (default: 448x448, Qwen2.5-VL's frame budget at 64 frames). Each
 time is the median of ``--rounds`` loads after one warm-up. Run it from each checkout to compare
 them (``PYTHONPATH=<checkout>``):
 
     OMP_NUM_THREADS=1 python benchmarks/media_load.py
     OMP_NUM_THREADS=1 PYTHONPATH=../old python benchmarks/media_load.py --sizes 640x480
+    OMP_NUM_THREADS=1 python benchmarks/media_load.py --sizes 640x480 --stream 256
 
 Prints one JSON object: per source size, the frames' shape, the decoder and the median ms of each
 step.
@@ -28,7 +32,8 @@ import av
 import numpy as np
 import torch
 
-from hybridkv_cli.media import load_media
+from hybridkv_cli.media import load_media, load_media_stream
+from hybridkv_cli.models.chunks import chunk_bounds, chunk_inputs, visual_units
 from hybridkv_cli.models.prompt import build_prompt
 from hybridkv_cli.models.registry import load_model
 
@@ -49,15 +54,29 @@ def make_clip(path: Path, width: int, height: int, frames: int = 96) -> Path:
     return path
 
 
+def streamed(loaded, clip: Path, frames: int, max_pixels: int) -> float:
+    """Seconds to build ``frames`` streamed frames' prompt and produce every pixel row in the
+    prefill's chunks (as ``ask --max-frames`` reads them)."""
+    start = time.perf_counter()
+    media = load_media_stream([clip], frames=frames, max_frames=frames, max_pixels=max_pixels)
+    prompt = build_prompt(loaded.processor, media, "What happens in the video?")
+    units = visual_units(loaded.model.config, prompt.inputs)
+    for begin, end in chunk_bounds(units, prompt.length, 2048):
+        chunk_inputs(prompt.inputs, units, begin, end)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["640x480", "1280x720", "1920x1080"])
     parser.add_argument("--frames", type=int, default=64)
     parser.add_argument("--max-pixels", type=int, default=448 * 448)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--stream", type=int, default=0, metavar="N", help="also a long video's N frames, streamed")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    processor = load_model("demo", device="cpu").processor
+    loaded = load_model("demo", device="cpu")
+    processor = loaded.processor
     out = {}
     with tempfile.TemporaryDirectory() as folder:
         for size in args.sizes:
@@ -74,6 +93,10 @@ def main() -> None:
             out[size] = {"frames": list(media.video.shape), "decoder": media.decoder,
                          "load_ms": round(1e3 * statistics.median(load[1:]), 1),
                          "prompt_ms": round(1e3 * statistics.median(prompt[1:]), 1)}
+            if args.stream:
+                long = make_clip(Path(folder) / f"{size}-long.mp4", width, height, frames=2 * args.stream)
+                times = [streamed(loaded, long, args.stream, args.max_pixels) for _ in range(args.rounds + 1)]
+                out[size][f"stream_{args.stream}_ms"] = round(1e3 * statistics.median(times[1:]), 1)
     print(json.dumps(out))
 
 

@@ -11,10 +11,12 @@ time gives the whole clip's rows:
 * a video decoded while the prompt is read (an hour of video with one chunk of frames in host
   memory): the pixels are a :class:`FramePixels`, which decodes the frames a slice of rows comes
   from when the prefill reads it (:func:`streamed_video_inputs`);
-* a clip already decoded: the pixels are made :data:`GROUP_FRAMES` frames at a time into one
-  tensor (:func:`grouped_video_inputs`). The processor's float copies of a whole clip (three of
-  them, 141 MB each for 64 frames of 364x504) are mapped fresh from the system and faulted in on
-  every call; a few frames' are reused, and the pixels come about twice as fast.
+* a clip already decoded: the pixels are made at once (:func:`grouped_video_inputs`).
+
+Either way the video processor runs on :data:`GROUP_FRAMES` frames at a time, its rows written
+into one tensor: its float copies of many frames (three of 141 MB for 64 frames of 364x504) are
+mapped fresh from the system and faulted in on every call, where a few frames' are reused, and
+the pixels come about twice as fast.
 """
 
 from __future__ import annotations
@@ -82,16 +84,9 @@ def grouped_video_inputs(processor, text: str, video: torch.Tensor, kwargs_for: 
     """What ``processor(text=[text], videos=[video], ...)`` returns for a decoded clip ``video``
     (uint8 ``(T, 3, H, W)``, ``T`` even), its pixels made :data:`GROUP_FRAMES` frames at a time
     (see the module docstring)."""
-    groups = video.shape[0] // FRAME_FACTOR
-    inputs, rows, process = _repeated_groups(processor, text, groups, tuple(video.shape[-2:]), kwargs_for)
-    pixels = None
-    for start in range(0, video.shape[0], GROUP_FRAMES):
-        part = process(video[start:start + GROUP_FRAMES])
-        if pixels is None:
-            pixels = part.new_empty((groups * rows, part.shape[1]))
-        at = start // FRAME_FACTOR * rows
-        pixels[at:at + part.shape[0]] = part
-    inputs["pixel_values_videos"] = pixels
+    inputs, _, process = _repeated_groups(processor, text, video.shape[0] // FRAME_FACTOR, tuple(video.shape[-2:]),
+                                          kwargs_for)
+    inputs["pixel_values_videos"] = process(video)
     return inputs
 
 
@@ -99,7 +94,8 @@ def _repeated_groups(processor, text: str, groups: int, size: tuple[int, int], k
                      ) -> tuple[dict, int, Callable[[torch.Tensor], torch.Tensor]]:
     """The inputs of ``text`` about a video of ``groups`` temporal groups of frames of ``size``,
     but its pixels: every per-token tensor with a stand-in group's run of video tokens repeated
-    once per group, and the grid; with the pixel rows of a group and the pixels of some frames."""
+    once per group, and the grid; with the pixel rows of a group and ``process(frames)``, the
+    pixel rows of frames (whole groups), made :data:`GROUP_FRAMES` frames at a time."""
     standin = torch.zeros(FRAME_FACTOR, 3, *size, dtype=torch.uint8)
     one = dict(processor(text=[text], videos=[standin], videos_kwargs=kwargs_for(FRAME_FACTOR), return_tensors="pt"))
     ids = one["input_ids"][0]
@@ -115,8 +111,16 @@ def _repeated_groups(processor, text: str, groups: int, size: tuple[int, int], k
     t, h, w = one["video_grid_thw"][0].tolist()
     inputs["video_grid_thw"] = torch.tensor([[groups * t, h, w]], dtype=one["video_grid_thw"].dtype)
 
-    def process(frames: torch.Tensor) -> torch.Tensor:
-        return processor.video_processor(videos=[frames], return_tensors="pt",
-                                         **kwargs_for(frames.shape[0]))["pixel_values_videos"]
+    def process(frames: torch.Tensor) -> torch.Tensor:  # the rows of whole groups, a few frames at a time
+        pixels = None
+        for start in range(0, frames.shape[0], GROUP_FRAMES):
+            part = processor.video_processor(videos=[frames[start:start + GROUP_FRAMES]], return_tensors="pt",
+                                             **kwargs_for(min(GROUP_FRAMES, frames.shape[0] - start)))
+            part = part["pixel_values_videos"]
+            if pixels is None:
+                pixels = part.new_empty((frames.shape[0] // FRAME_FACTOR * h * w, part.shape[1]))
+            at = start // FRAME_FACTOR * h * w
+            pixels[at:at + part.shape[0]] = part
+        return pixels
 
     return inputs, h * w, process
