@@ -31,7 +31,7 @@ from hybridkv_cli.media.geometry import FRAME_FACTOR
 VIDEO_TOKEN = "<|video_pad|>"  # Qwen2/2.5-VL's video placeholder
 #: Frames decoded at a time (the stream's own chunk; the prompt's chunks take what they need).
 DECODE_FRAMES = 32
-#: Frames of a decoded clip the video processor is run on at a time (two temporal groups).
+#: Frames the video processor is run on at a time (two temporal groups).
 GROUP_FRAMES = 4
 
 
@@ -82,8 +82,7 @@ def streamed_video_inputs(processor, text: str, stream: VideoStream, kwargs_for:
 
 def grouped_video_inputs(processor, text: str, video: torch.Tensor, kwargs_for: Callable[[int], dict]) -> dict:
     """What ``processor(text=[text], videos=[video], ...)`` returns for a decoded clip ``video``
-    (uint8 ``(T, 3, H, W)``, ``T`` even), its pixels made :data:`GROUP_FRAMES` frames at a time
-    (see the module docstring)."""
+    (uint8 ``(T, 3, H, W)``, ``T`` even), built a group at a time (see the module docstring)."""
     inputs, _, process = _repeated_groups(processor, text, video.shape[0] // FRAME_FACTOR, tuple(video.shape[-2:]),
                                           kwargs_for)
     inputs["pixel_values_videos"] = process(video)
