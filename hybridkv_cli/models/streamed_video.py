@@ -113,9 +113,9 @@ def _repeated_groups(processor, text: str, groups: int, size: tuple[int, int], k
     def process(frames: torch.Tensor) -> torch.Tensor:  # the rows of whole groups, a few frames at a time
         pixels = None
         for start in range(0, frames.shape[0], GROUP_FRAMES):
-            part = processor.video_processor(videos=[frames[start:start + GROUP_FRAMES]], return_tensors="pt",
-                                             **kwargs_for(min(GROUP_FRAMES, frames.shape[0] - start)))
-            part = part["pixel_values_videos"]
+            some = frames[start:start + GROUP_FRAMES]
+            part = processor.video_processor(videos=[some], return_tensors="pt",
+                                             **kwargs_for(some.shape[0]))["pixel_values_videos"]
             if pixels is None:
                 pixels = part.new_empty((frames.shape[0] // FRAME_FACTOR * h * w, part.shape[1]))
             at = start // FRAME_FACTOR * h * w

@@ -110,12 +110,12 @@ class Metrics:
 def collector_rows() -> list[tuple]:
     """The Python garbage collector's counts, under the names Prometheus' Python client gives them,
     and the objects frozen out of its scans at start-up."""
-    generations = list(enumerate(gc.get_stats()))
-    return [("python_gc_collections_total", "counter", "collections of each generation",
-             [(f'{{generation="{g}"}}', s["collections"]) for g, s in generations]),
-            ("python_gc_objects_collected_total", "counter", "objects collected in each generation",
-             [(f'{{generation="{g}"}}', s["collected"]) for g, s in generations]),
-            ("python_gc_objects_uncollectable_total", "counter", "uncollectable objects found in each generation",
-             [(f'{{generation="{g}"}}', s["uncollectable"]) for g, s in generations]),
-            ("hybridkv_gc_frozen_objects", "gauge", "objects made at start-up that the collector no longer scans",
-             [("", gc.get_freeze_count())])]
+    stats = gc.get_stats()
+    counts = [(f"python_gc_{name}_total", "counter", f"{what} in each generation",
+               [(f'{{generation="{g}"}}', s[key]) for g, s in enumerate(stats)])
+              for name, key, what in (("collections", "collections", "collections"),
+                                      ("objects_collected", "collected", "objects collected"),
+                                      ("objects_uncollectable", "uncollectable", "uncollectable objects found"))]
+    frozen = ("hybridkv_gc_frozen_objects", "gauge", "objects made at start-up that the collector no longer scans",
+              [("", gc.get_freeze_count())])
+    return counts + [frozen]
