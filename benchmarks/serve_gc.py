@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -70,8 +69,7 @@ def pauses(proc: subprocess.Popen, base: str, path: Path) -> list:
 def run_setting(setting: str, args, videos, folder: Path) -> dict:
     port, dump = free_port(), folder / f"pauses-{setting.replace(' ', '-')}.json"
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(dump), setting, "serve", "--model", "demo",
-                             "--port", str(port), "--quiet"],
-                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                             "--port", str(port), "--quiet"])
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base)

@@ -83,8 +83,7 @@ def start_server(max_batch: int, extra: list[str]) -> tuple[subprocess.Popen, st
     port = free_port()
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo", "--port", str(port),
-                             "--max-batch", str(max_batch), "--queue-size", "1024", "--quiet", *extra],
-                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                             "--max-batch", str(max_batch), "--queue-size", "1024", "--quiet", *extra])
     base = f"http://127.0.0.1:{port}"
     wait_healthy(proc, base)
     return proc, base, time.perf_counter() - started

@@ -912,10 +912,22 @@ def test_prefix_cache_parks_beyond_the_devices_share_and_copies_back_on_a_hit():
     assert cache.get("c") is None and cache.evictions == 1 and cache.bytes == 910 and cache.device_bytes == 20
 
 
+def test_the_servers_torch_threads_never_outnumber_the_cores():
+    from hybridkv_cli.serve.settings import intra_op_threads
+
+    # its three computing threads (decoding, prefill, media) each run a team of this many
+    assert [intra_op_threads(None, cores, env_set=False) for cores in (1, 2, 3, 8, 16)] == [1, 1, 1, 2, 5]
+    assert intra_op_threads(None, 16, env_set=True) is None  # $OMP_NUM_THREADS chose: torch has read it
+    assert intra_op_threads(4, 2, env_set=True) == 4  # --threads wins
+
+
 @pytest.mark.slow
 def test_the_command_starts_fast_and_answers(tmp_path):
+    from hybridkv_cli.serve.settings import intra_op_threads
+
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the server's own choice
+    team = intra_op_threads(None, len(os.sched_getaffinity(0)), env_set=False)
     bad = subprocess.run([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo",
                           "--allowed-media-dir", str(tmp_path / "missing")], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "--allowed-media-dir" in bad.stderr and "Traceback" not in bad.stderr
@@ -953,3 +965,4 @@ def test_the_command_starts_fast_and_answers(tmp_path):
         assert proc.wait(15) == 0
     log = " ".join(proc.stderr.read().split())  # (the console wraps its lines)
     assert "warmed up in" in log and "warm-up request failed" not in log, log
+    assert f"{team} torch thread{'s' if team > 1 else ''} per computing thread" in log, log

@@ -66,14 +66,19 @@ def serve(
     warm: bool = typer.Option(True, "--warm-up/--no-warm-up", help="Before the port opens, answer one small "
                                  "request about a clip made here, so that the first client's request does not pay "
                                  "the one-time set-up (the video library's, the processor's, the kernels')."),
+    threads: Optional[int] = typer.Option(None, min=1, help="Torch intra-op threads of each of the server's "
+                                          "three computing threads (decoding, prefill, media) [default: "
+                                          "$OMP_NUM_THREADS if set, else the cores / 3, at least 1]."),
     quiet: bool = QUIET, debug: bool = DEBUG, options=None,
 ):
     import logging
     import os
 
+    import torch
+
     from hybridkv_cli.engine import Limits
     from hybridkv_cli.runs.session import AskOptions, Session
-    from hybridkv_cli.serve.settings import ServeSettings
+    from hybridkv_cli.serve.settings import ServeSettings, intra_op_threads
 
     if allowed_media_dir is not None and not os.path.isdir(allowed_media_dir):
         raise UsageError("not a directory", "--allowed-media-dir")
@@ -100,6 +105,10 @@ def serve(
         prefix_cache_device_bytes=parse_size(prefix_cache_device_bytes, "--prefix-cache-device-bytes"),
         prefix_cache_dir=prefix_cache_dir,
         prefix_cache_dir_bytes=parse_size(prefix_cache_dir_bytes, "--prefix-cache-dir-bytes"))
+    chosen = intra_op_threads(threads, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                              else os.cpu_count() or 1, "OMP_NUM_THREADS" in os.environ)
+    if chosen is not None:  # this process is the server's: the setting is its own
+        torch.set_num_threads(chosen)
     limits = Limits(batch_size=max_batch, kv_memory=None if kv_memory is None else parse_size(kv_memory,
                                                                                               "--kv-memory"))
     try:
@@ -135,8 +144,10 @@ def serve(
     gc.collect()
     gc.freeze()
     if not quiet:
-        err.print(f"serving {model} as '{settings.model_id}' on http://{host}:{port}/v1 (max batch {max_batch}"
-                  f"{warmed}; Ctrl-C stops)", highlight=False)
+        team = torch.get_num_threads()
+        err.print(f"serving {model} as '{settings.model_id}' on http://{host}:{port}/v1 (max batch {max_batch}, "
+                  f"{team} torch thread{'s' if team > 1 else ''} per computing thread{warmed}; Ctrl-C stops)",
+                  highlight=False)
     # a stop waits at most 10 s for open streams before closing them
     uvicorn.run(app, host=host, port=port, log_level="debug" if debug else "warning" if quiet else "info",
                 access_log=not quiet, timeout_graceful_shutdown=10)
