@@ -104,7 +104,8 @@ def quant_key_scores_torch(q, codes, bounds, chunk: int) -> torch.Tensor:
 
     def best_of(part):  # host codes (HostKeys): a copy a tile
         part = part if part.device == q.device else part.to(q.device)
-        return torch.bmm(scaled, unpack_codes(part)).add_(bias).amax(dim=1)  # in place: a fresh [H, G, P] costs more than the add
+        # the bias added in place: a fresh [H, G, P] costs more than the addition
+        return torch.bmm(scaled, unpack_codes(part)).add_(bias).amax(dim=1)
 
     tokens = codes.shape[2]
     tile = chunk * max(1, max(TILE_TOKENS, TILE_BYTES // (4 * q.shape[2])) // chunk)

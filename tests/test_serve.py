@@ -923,11 +923,11 @@ def test_the_servers_torch_threads_never_outnumber_the_cores():
 
 @pytest.mark.slow
 def test_the_command_starts_fast_and_answers(tmp_path):
-    from hybridkv_cli.serve.settings import intra_op_threads
+    from hybridkv_cli.serve.settings import intra_op_threads, usable_cores
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the server's own choice
-    team = intra_op_threads(None, len(os.sched_getaffinity(0)), env_set=False)
+    team = intra_op_threads(None, usable_cores(), env_set=False)
     bad = subprocess.run([sys.executable, "-m", "hybridkv_cli.cli", "serve", "--model", "demo",
                           "--allowed-media-dir", str(tmp_path / "missing")], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "--allowed-media-dir" in bad.stderr and "Traceback" not in bad.stderr

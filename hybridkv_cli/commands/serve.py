@@ -78,7 +78,7 @@ def serve(
 
     from hybridkv_cli.engine import Limits
     from hybridkv_cli.runs.session import AskOptions, Session
-    from hybridkv_cli.serve.settings import ServeSettings, intra_op_threads
+    from hybridkv_cli.serve.settings import ServeSettings, intra_op_threads, usable_cores
 
     if allowed_media_dir is not None and not os.path.isdir(allowed_media_dir):
         raise UsageError("not a directory", "--allowed-media-dir")
@@ -105,8 +105,7 @@ def serve(
         prefix_cache_device_bytes=parse_size(prefix_cache_device_bytes, "--prefix-cache-device-bytes"),
         prefix_cache_dir=prefix_cache_dir,
         prefix_cache_dir_bytes=parse_size(prefix_cache_dir_bytes, "--prefix-cache-dir-bytes"))
-    chosen = intra_op_threads(threads, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                              else os.cpu_count() or 1, "OMP_NUM_THREADS" in os.environ)
+    chosen = intra_op_threads(threads, usable_cores(), "OMP_NUM_THREADS" in os.environ)
     if chosen is not None:  # this process is the server's: the setting is its own
         torch.set_num_threads(chosen)
     limits = Limits(batch_size=max_batch, kv_memory=None if kv_memory is None else parse_size(kv_memory,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 MiB = 2**20
@@ -29,6 +30,11 @@ class ServeSettings:
     prefix_cache_device_bytes: int = 256 * MiB  # of those, on the device (beyond: parked in host memory)
     prefix_cache_dir: str | None = None  # and written here as .hkv files, kept across restarts (None: memory only)
     prefix_cache_dir_bytes: int = 16 * 1024 * MiB  # the files' bytes in that folder
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the system tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def intra_op_threads(requested: int | None, cores: int, env_set: bool) -> int | None:
