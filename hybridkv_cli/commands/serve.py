@@ -105,7 +105,7 @@ def serve(
         prefix_cache_device_bytes=parse_size(prefix_cache_device_bytes, "--prefix-cache-device-bytes"),
         prefix_cache_dir=prefix_cache_dir,
         prefix_cache_dir_bytes=parse_size(prefix_cache_dir_bytes, "--prefix-cache-dir-bytes"))
-    chosen = intra_op_threads(threads, usable_cores(), "OMP_NUM_THREADS" in os.environ)
+    chosen = intra_op_threads(threads, usable_cores(), bool(os.environ.get("OMP_NUM_THREADS")))
     if chosen is not None:  # this process is the server's: the setting is its own
         torch.set_num_threads(chosen)
     limits = Limits(batch_size=max_batch, kv_memory=None if kv_memory is None else parse_size(kv_memory,
