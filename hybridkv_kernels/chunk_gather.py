@@ -78,24 +78,18 @@ def gather_plan(resident: torch.Tensor, want: torch.Tensor, n_chunks: int) -> to
         Free slots (not holding a wanted chunk), in slot order, are paired with the missing
         ids, in ``want`` order; the pairing is a scatter, so no host sync is needed.
     """
-    H, n = resident.shape
-    dev = resident.device
     C = int(n_chunks)
-    want = want.to(device=dev, dtype=torch.int64)
-    res_idx = torch.where(resident >= 0, resident, C)  # column C absorbs empty slots
-    res_mask = torch.zeros(H, C + 1, dtype=torch.bool, device=dev).scatter_(1, res_idx, True)
-    want_mask = torch.zeros(H, C + 1, dtype=torch.bool, device=dev).scatter_(1, want, True)
-    want_mask[:, C] = False
-    hit = want_mask.gather(1, res_idx)  # [H, n] slot keeps its chunk
-    miss = ~res_mask.gather(1, want)  # [H, n] wanted id not resident
-    # stable sorts put free slots (slot order) and missing ids (want order) first;
-    # both counts are n - hits, so position j pairs them for j < n_miss
-    free_order = torch.argsort(hit.to(torch.int8), dim=1, stable=True)
-    miss_order = torch.argsort((~miss).to(torch.int8), dim=1, stable=True)
-    n_miss = miss.sum(dim=1, keepdim=True)
-    j = torch.arange(n, device=dev)
-    src = torch.where(j < n_miss, want.gather(1, miss_order), -1)
-    return torch.full_like(resident, -1).scatter_(1, free_order, src)
+    want = want.to(device=resident.device, dtype=torch.int64)
+    held = resident.remainder(C + 1)  # an empty slot (-1) -> column C, which nothing wants
+    is_held = torch.zeros(resident.shape[0], C + 1, dtype=torch.bool, device=resident.device).scatter_(1, held, True)
+    is_wanted = torch.zeros_like(is_held).scatter_(1, want, True)
+    hit = is_wanted.gather(1, held)  # [H, n] the slot keeps its chunk
+    had = is_held.gather(1, want)  # [H, n] the wanted id is resident already
+    # stable sorts put the free slots (slot order) and the missing ids (want order) first; both
+    # counts are n - hits, so position j pairs them, and a resident id (-1 here) pairs no slot
+    free_order = torch.sort(hit, dim=1, stable=True).indices
+    missing = want.masked_fill(had, -1).gather(1, torch.sort(had, dim=1, stable=True).indices)
+    return torch.empty_like(resident).scatter_(1, free_order, missing)
 
 
 def _side_stream(device: torch.device):
@@ -134,11 +128,12 @@ def copy_assigned(targets: list[GatherTarget], assign: torch.Tensor) -> None:
     """Copy the chunks of a plan (``assign``: :func:`gather_plan`'s for the targets' heads, target
     after target; one geometry but the head count) into their slots.
 
-    What to copy is found for all targets at once (on the CPU a step's cost is mostly per op);
-    then each target's missing chunks move: one host ``index_select`` per tensor, then on CUDA
-    into a pinned staging buffer and ``copy_(non_blocking=True)`` on a side stream, K's DMA
-    running while the CPU gathers V; the compute stream waits on an event before the
-    ``index_copy_`` into the store, and the host does not wait for the copy.
+    What to copy is found for all targets at once, and their resident ids and byte counters are
+    updated by one op each (on the CPU a step's cost is mostly per op); then each target's
+    missing chunks move: one host ``index_select`` per tensor, then on CUDA into a pinned
+    staging buffer and ``copy_(non_blocking=True)`` on a side stream, K's DMA running while the
+    CPU gathers V; the compute stream waits on an event before the ``index_copy_`` into the
+    store, and the host does not wait for the copy.
     """
     first = targets[0]
     _, C, c, d = first.host_k.shape
@@ -149,7 +144,6 @@ def copy_assigned(targets: list[GatherTarget], assign: torch.Tensor) -> None:
     rows, slots = sel.nonzero(as_tuple=True)  # the one host sync (on CUDA): the CPU must know what to copy
     base = (first.slot_base if len(targets) == 1 else torch.cat([t.slot_base for t in targets]))
     dst = base.to(device=dev, dtype=torch.int64)[rows] + slots * c
-    held = torch.where(sel, assign, resident).split(heads)
     if len(targets) == 1:
         src, counts = rows * C + assign[rows, slots], [rows.numel()]
     else:  # each target's misses (rows ascend: nonzero is row-major), by its own heads' rows
@@ -161,11 +155,15 @@ def copy_assigned(targets: list[GatherTarget], assign: torch.Tensor) -> None:
         run = torch.arange(c, device=dev)
         src, dst = (src[:, None] * c + run).reshape(-1), (dst[:, None] + run).reshape(-1)
     sizes = [n * c for n in counts]
-    for t, now, src_rows, dst_rows, n in zip(targets, held, src.cpu().split(sizes), dst.split(sizes), counts):
+    for t, src_rows, dst_rows, n in zip(targets, src.cpu().split(sizes), dst.split(sizes), counts):
         if n:
             _copy_chunks(t, src_rows, dst_rows)
-            t.resident.copy_(now)
-            t.moved.add_(n * c * d * 2 * t.host_k.element_size())
+    moving = [i for i, n in enumerate(counts) if n]
+    if moving:
+        held = torch.where(sel, assign, resident).split(heads)
+        torch._foreach_copy_([targets[i].resident for i in moving], [held[i] for i in moving])
+        torch._foreach_add_([targets[i].moved for i in moving],
+                            [counts[i] * c * d * 2 * targets[i].host_k.element_size() for i in moving])
 
 
 def _copy_chunks(t: GatherTarget, src: torch.Tensor, dst: torch.Tensor) -> None:
