@@ -240,10 +240,11 @@ class Cloner:
     of a device and kind of memory by one ``cat`` into one buffer (pinned host memory staying
     pinned, each storage at an aligned offset in it; a buffer holds up to :data:`BUFFER_BYTES`);
     the ``fixed`` ones -- the offloaded KV and its landmarks, which nothing writes -- shared,
-    their tensors made once and given to every copy."""
+    their tensors made once and given to every copy. The tree (trusted: :func:`flatten` made it
+    in this process) is read once, into a builder of a copy (:meth:`_plan`), so a copy walks no
+    tree and checks nothing."""
 
     def __init__(self, storages: dict[str, torch.Tensor], info: dict[str, dict], tree: Any):
-        self.storages, self.tree = storages, tree
         self.groups: list[tuple] = []  # (device, pinned, the storages and pads in order, bytes)
         self.where: dict[str, tuple[int, int]] = {}  # written storage -> (its group, its byte offset)
         grouped: dict[tuple, list[str]] = {}
@@ -263,7 +264,10 @@ class Cloner:
                     parts.append(torch.zeros(ALIGN - size % ALIGN, dtype=torch.uint8, device=device))
                     size += parts[-1].numel()
             self.groups.append((device, pinned, parts, size))
-        self.shared: dict[int, torch.Tensor] = {}  # id of a fixed tensor's spec -> its tensor, for every copy
+        self.views: set[tuple[int, torch.dtype]] = set()  # (group, dtype): the buffers' views a copy takes
+        self.fixed = _Rebuilder(storages, checked=False)  # makes the shared tensors, once
+        with torch.inference_mode():
+            self.build = self._plan(tree)[1]
 
     def __call__(self) -> Any:
         with torch.inference_mode():
@@ -272,30 +276,57 @@ class Cloner:
                 out = host_empty((size,), torch.uint8) if pinned else torch.empty(size, dtype=torch.uint8,
                                                                                   device=device)
                 buffers.append(torch.cat(parts, out=out))
-            return _Copier(self, buffers)(self.tree)
+            return self.build({(group, dtype): buffers[group].view(dtype) for group, dtype in self.views}, {})
 
+    def _plan(self, x) -> tuple[bool, Any]:
+        """``(True, value)`` for a node every copy shares (a scalar, a fixed tensor), else
+        ``(False, build)``: ``build(views, objects)`` makes the node's value for one copy (``views``:
+        its buffers as each dtype; ``objects``: the copy's objects so far, by id, for references)."""
+        if x is None or type(x) in (bool, int, float, str):
+            return True, x
+        if "T" in x:
+            spec = x["T"]
+            if spec["s"] not in self.where:
+                return True, self.fixed.tensor(spec)
+            group, start = self.where[spec["s"]]
+            dtype = DTYPES[spec["dtype"]]
+            view, shape, stride = (group, dtype), spec["shape"], spec["stride"]
+            offset = start // dtype.itemsize + spec["off"]
+            self.views.add(view)
+            return False, lambda views, objects: views[view].as_strided(shape, stride, offset)
+        if "F" in x:
+            return True, float(x["F"])
+        if "ref" in x:
+            ref = x["ref"]
+            return False, lambda views, objects: objects[ref]
+        n = x["id"]
+        if "O" in x:
+            cls = KINDS[x["O"]][0]
+            attrs = [(k, *self._plan(v)) for k, v in x["s"].items()]
 
-class _Copier(_Rebuilder):
-    """A trusted tree rebuilt over a :class:`Cloner`'s buffers: a written tensor a view of its
-    group's buffer as its dtype (one view a dtype), a fixed one the cloner's own."""
+            def build(views, objects):
+                out = objects[n] = cls.__new__(cls)
+                out.__dict__.update({k: v if shared else v(views, objects) for k, shared, v in attrs})
+                return out
+        elif "D" in x:
+            items = [(key, *self._plan(v)) for key, v in x["D"]]
 
-    def __init__(self, cloner: Cloner, buffers: list[torch.Tensor]):
-        super().__init__(cloner.storages, checked=False)
-        self.cloner, self.buffers = cloner, buffers
+            def build(views, objects):
+                out = objects[n] = {}
+                for key, shared, v in items:
+                    out[key] = v if shared else v(views, objects)
+                return out
+        else:
+            items, kind = [self._plan(v) for v in x["L" if "L" in x else "U"]], list if "L" in x else tuple
 
-    def tensor(self, spec) -> torch.Tensor:
-        where = self.cloner.where.get(spec["s"])
-        if where is None:
-            shared = self.cloner.shared.get(id(spec))
-            if shared is None:
-                shared = self.cloner.shared[id(spec)] = super().tensor(spec)
-            return shared
-        group, start = where
-        dtype = DTYPES[spec["dtype"]]
-        typed = self.typed.get((group, dtype))
-        if typed is None:
-            typed = self.typed[group, dtype] = self.buffers[group].view(dtype)
-        return typed.as_strided(spec["shape"], spec["stride"], start // dtype.itemsize + spec["off"])
+            def build(views, objects):
+                if kind is list:
+                    out = objects[n] = []
+                    out.extend(v if shared else v(views, objects) for shared, v in items)
+                    return out
+                out = objects[n] = tuple(v if shared else v(views, objects) for shared, v in items)
+                return out
+        return False, build
 
 
 def to_device(graph: Any, device: torch.device) -> Any:
