@@ -297,6 +297,23 @@ def test_gather_plan_pairs_free_slots_in_order():
     assert hk.gather_plan(resident, want, 10).tolist() == [[-1, 9, 8, -1]]
 
 
+def test_gather_plan_matches_its_definition_on_random_slots():
+    """The plan as its docstring defines it, one head at a time in plain Python: the free slots
+    (empty, or holding an unwanted chunk), in slot order, get the wanted ids not resident, in want order."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(300):
+        chunks = int(torch.randint(1, 30, (1,), generator=g))
+        heads, slots = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, chunks + 1, (1,), generator=g))
+        resident = torch.stack([torch.randperm(chunks, generator=g)[:slots] for _ in range(heads)])
+        resident[torch.rand(heads, slots, generator=g) < 0.3] = -1
+        want = torch.stack([torch.randperm(chunks, generator=g)[:slots] for _ in range(heads)])
+        expect = []
+        for res, wanted in zip(resident.tolist(), want.tolist()):
+            missing = iter([w for w in wanted if w not in res])
+            expect.append([-1 if r in wanted else next(missing) for r in res])
+        assert hk.gather_plan(resident, want, chunks).tolist() == expect
+
+
 def _part(heads, chunks, chunk, slots, d, seed, two_bit):
     """One sequence's dynamic heads for ``chunk_retrieve``: half their slots already hold a chunk."""
     g = torch.Generator().manual_seed(seed)
