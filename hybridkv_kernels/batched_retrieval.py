@@ -149,8 +149,12 @@ def _together(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: 
     """``parts`` of one geometry: the top chunks and the plan of all their heads at once (one op
     each), then each part's copies; a single part takes ``backend``'s own gather."""
     first = parts[0]
-    q, landmarks, scale = _cat(queries), _cat([p.landmarks for p in parts]), _cat([p.landmark_scale for p in parts])
-    chunks, chunk, n = first.host_k.shape[1], first.host_k.shape[2], first.resident.shape[1]
+    q, chunks, chunk, n = _cat(queries), first.host_k.shape[1], first.host_k.shape[2], first.resident.shape[1]
+    if _two_bit(first) and backend == "torch" and all(p.landmarks is first.landmarks
+                                                      and p.landmark_scale is first.landmark_scale for p in parts):
+        landmarks, scale = first.landmarks, first.landmark_scale  # copies of one prefix: its codes unpacked once
+    else:
+        landmarks, scale = _cat([p.landmarks for p in parts]), _cat([p.landmark_scale for p in parts])
     if _two_bit(first):
         resident = _cat([p.resident for p in parts]) if swaps or stickiness else None
         want = quant_key_topk(q, landmarks, scale, chunk, n, backend, resident=resident, swaps=swaps,

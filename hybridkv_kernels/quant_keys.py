@@ -77,8 +77,11 @@ def _shifts(device: torch.device) -> torch.Tensor:
     return torch.tensor(SHIFTS, dtype=torch.uint8, device=device)[:, None]
 
 
-def _check(q, codes, bounds, chunk):
+def _check(q, codes, bounds, chunk, shared: bool = False):
+    """``shared``: ``codes`` and ``bounds`` may be one sequence's, for every group of their heads' rows of ``q``."""
     H, G, d = q.shape
+    if shared and codes.dim() == 3 and codes.shape[0] and H % codes.shape[0] == 0:
+        H = codes.shape[0]
     if codes.dim() != 3 or codes.shape[:2] != (H, d // 4) or codes.dtype != torch.uint8:
         raise ValueError(f"codes must be uint8 [H, d/4, P] = [{H}, {d // 4}, P], got {tuple(codes.shape)} {codes.dtype}")
     if bounds.shape != (H, 2, d):
@@ -91,21 +94,26 @@ def quant_key_scores_torch(q, codes, bounds, chunk: int) -> torch.Tensor:
     """Chunk scores [H, C] fp32: ``max_g max_t q[h, g] · (low + scale * code[h, :, t])`` over
     the ``chunk`` tokens of each chunk.
 
+    ``codes`` and ``bounds`` may also be one sequence's H heads shared by every H rows of ``q``
+    (the questions or members of one kept prefix ranked together): then they are unpacked once
+    and each group of rows takes the products it takes alone (a batched product of the same
+    shapes, so the same numbers as alone).
+
     Tiled over the tokens, 512 at a time (more with a small head dim, :data:`TILE_BYTES`; never
     by the head count, so a head's numbers are the same in any batch): the unpacked fp32 codes
     of a whole long prompt (16 bytes a code byte) would be a fresh allocation of tens of MB a
     step, whose first touch costs more than the arithmetic (5x slower at 16k tokens on the CPU);
     a tile stays in cache and in the allocator's reuse.
     """
-    _check(q, codes, bounds, chunk)
-    qf = q.float()
+    _check(q, codes, bounds, chunk, shared=True)
+    qf = q.float().unflatten(0, (-1, codes.shape[0]))  # [groups, H, G, d]
     low, scale = bounds.float().unbind(1)
     scaled, bias = qf * scale[:, None], (qf * low[:, None]).sum(-1, keepdim=True)
 
     def best_of(part):  # host codes (HostKeys): a copy a tile
         part = part if part.device == q.device else part.to(q.device)
-        # the bias added in place: a fresh [H, G, P] costs more than the addition
-        return torch.bmm(scaled, unpack_codes(part)).add_(bias).amax(dim=1)
+        # the bias added in place: a fresh [groups, H, G, P] costs more than the addition
+        return torch.matmul(scaled, unpack_codes(part)).add_(bias).amax(dim=2).flatten(0, 1)
 
     tokens = codes.shape[2]
     tile = chunk * max(1, max(TILE_TOKENS, TILE_BYTES // (4 * q.shape[2])) // chunk)
@@ -162,6 +170,8 @@ def quant_key_topk(q, codes, bounds, chunk: int, k: int, backend: str = "auto", 
     codes, bounds
         A head's prompt keys as :func:`pack_keys` gives them (P = C · chunk tokens); ``codes``
         on q's device or in host memory (pinned, for the Triton path on CUDA), ``bounds`` on q's.
+        On the torch path they may be one sequence's, shared by every group of their heads' rows
+        of ``q`` (:func:`quant_key_scores_torch`).
     chunk : int
         Tokens per chunk.
     k : int

@@ -356,6 +356,31 @@ def test_chunk_retrieve_torch_is_each_part_alone(two_bit, swaps, stickiness, rea
             assert torch.equal(a.store_k, b.store_k) and torch.equal(a.store_v, b.store_v)
 
 
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_copies_of_one_prefix_rank_by_its_codes_unpacked_once_as_each_alone(chunk):
+    """Parts whose 2-bit codes are one tensor (the questions or members of one kept prefix) are
+    ranked from those codes shared, not copied once a part: the same scores bit for bit as each
+    part alone, and the same slots, resident ids and byte counts."""
+    d, G, heads = 16, 3, 2
+    first = _part(heads, 24 // chunk, chunk, 6, d, 0, True)
+    parts = [first] + [_part(heads, 24 // chunk, chunk, 6, d, seed, True)._replace(
+        landmarks=first.landmarks, landmark_scale=first.landmark_scale) for seed in (1, 2)]
+    alone = [p._replace(**{f: t.clone() for f, t in p._asdict().items() if torch.is_tensor(t)}) for p in parts]
+    q = torch.randn(3 * heads, G, d)
+    shared = hk.quant_key_scores_torch(q, first.landmarks, first.landmark_scale, chunk)
+    assert torch.equal(shared, torch.cat([hk.quant_key_scores_torch(rows, first.landmarks, first.landmark_scale, chunk)
+                                          for rows in q.split(heads)]))
+    hk.chunk_retrieve(list(q.split(heads)), parts, backend="torch")
+    for p, rows in zip(alone, q.split(heads)):
+        want = hk.quant_key_topk(rows, p.landmarks, p.landmark_scale, chunk, p.resident.shape[1], "torch")
+        hk.chunk_gather(p.host_k, p.host_v, p.store_k, p.store_v, p.slot_base, p.resident, want, "torch", p.moved)
+    for a, b in zip(parts, alone):
+        assert torch.equal(a.resident, b.resident) and int(a.moved) == int(b.moved) > 0
+        assert torch.equal(a.store_k, b.store_k) and torch.equal(a.store_v, b.store_v)
+    with pytest.raises(ValueError, match="codes must be"):
+        hk.quant_key_scores_torch(q[:5], first.landmarks, first.landmark_scale, chunk)  # not whole groups of heads
+
+
 @pytest.mark.parametrize("limit", [1, 3, 7])
 def test_a_capped_selection_is_the_best_of_the_held_and_the_limit_best_others(limit):
     """``cap_scores`` + top-k: the top ``n`` of the held chunks and the ``limit`` best others (so at
