@@ -78,7 +78,7 @@ def _shifts(device: torch.device) -> torch.Tensor:
 
 
 def _check(q, codes, bounds, chunk, shared: bool = False):
-    """``shared``: ``codes`` and ``bounds`` may be one sequence's, for every group of their heads' rows of ``q``."""
+    """``shared``: ``codes`` and ``bounds`` may be one sequence's, for each group of their heads' rows of ``q``."""
     H, G, d = q.shape
     if shared and codes.dim() == 3 and codes.shape[0] and H % codes.shape[0] == 0:
         H = codes.shape[0]
