@@ -129,11 +129,12 @@ def copy_assigned(targets: list[GatherTarget], assign: torch.Tensor) -> None:
     after target; one geometry but the head count) into their slots.
 
     What to copy is found for all targets at once, and their resident ids and byte counters are
-    updated by one op each (on the CPU a step's cost is mostly per op); then each target's
-    missing chunks move: one host ``index_select`` per tensor, then on CUDA into a pinned
-    staging buffer and ``copy_(non_blocking=True)`` on a side stream, K's DMA running while the
-    CPU gathers V; the compute stream waits on an event before the ``index_copy_`` into the
-    store, and the host does not wait for the copy.
+    updated by one op each (on the CPU a step's cost is mostly per op); then the missing chunks
+    move: one host ``index_select`` per tensor for each target, or for all of them when they share
+    one host KV (copies of one kept prefix), then on CUDA into a pinned staging buffer and
+    ``copy_(non_blocking=True)`` on a side stream, K's DMA running while the CPU gathers V; the
+    compute stream waits on an event before each target's ``index_copy_`` into its store, and
+    the host does not wait for the copy.
     """
     first = targets[0]
     _, C, c, d = first.host_k.shape
@@ -154,10 +155,15 @@ def copy_assigned(targets: list[GatherTarget], assign: torch.Tensor) -> None:
     if c > 1:  # chunks -> their token rows [misses * c], a chunk's c rows in a run
         run = torch.arange(c, device=dev)
         src, dst = (src[:, None] * c + run).reshape(-1), (dst[:, None] + run).reshape(-1)
-    sizes = [n * c for n in counts]
-    for t, src_rows, dst_rows, n in zip(targets, src.cpu().split(sizes), dst.split(sizes), counts):
-        if n:
-            _copy_chunks(t, src_rows, dst_rows)
+    sizes, src = [n * c for n in counts], src.cpu()
+    if not src.numel():
+        return
+    if all(t.host_k is first.host_k and t.host_v is first.host_v for t in targets):
+        _copy_rows(first.host_k, first.host_v, src, [(t.store_k, t.store_v) for t in targets], dst.split(sizes))
+    else:
+        for t, src_rows, dst_rows, n in zip(targets, src.split(sizes), dst.split(sizes), counts):
+            if n:
+                _copy_rows(t.host_k, t.host_v, src_rows, [(t.store_k, t.store_v)], [dst_rows])
     moving = [i for i, n in enumerate(counts) if n]
     if moving:
         held = torch.where(sel, assign, resident).split(heads)
@@ -166,32 +172,34 @@ def copy_assigned(targets: list[GatherTarget], assign: torch.Tensor) -> None:
                             [counts[i] * c * d * 2 * targets[i].host_k.element_size() for i in moving])
 
 
-def _copy_chunks(t: GatherTarget, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Host token rows ``src`` of ``t`` (its chunks' rows, head after head) into its store rows ``dst``."""
-    d = t.host_k.shape[-1]
-    m = src.numel()
-    flat = [t.host_k.reshape(-1, d), t.host_v.reshape(-1, d)]
-    stores = [t.store_k, t.store_v]
-    dev = t.store_k.device
+def _copy_rows(host_k: torch.Tensor, host_v: torch.Tensor, src: torch.Tensor, stores: list[tuple], dsts: list) -> None:
+    """Host token rows ``src`` (of ``host_k``/``host_v`` [H, C, c, d], chunk rows head after head)
+    into ``stores`` (``(store_k, store_v)`` each): store ``i`` gets the next ``len(dsts[i])`` of
+    them, at its rows ``dsts[i]``."""
+    d = host_k.shape[-1]
+    dev = stores[0][0].device
+    flat = [host_k.reshape(-1, d), host_v.reshape(-1, d)]
     if dev.type != "cuda":
-        for host, store in zip(flat, stores):
-            rows = host.index_select(0, src)
-            store.index_copy_(0, dst, rows if rows.dtype == store.dtype else rows.to(store.dtype))
-        return
-    main = torch.cuda.current_stream(dev)
-    side = _side_stream(dev)
-    bufs = []
-    for host in flat:
-        stage = torch.empty((m, d), dtype=host.dtype, pin_memory=True)
-        torch.index_select(host, 0, src, out=stage)
-        with torch.cuda.stream(side):  # allocated in the side stream's pool
-            buf = torch.empty((m, d), dtype=host.dtype, device=dev)
-            buf.copy_(stage, non_blocking=True)
-        buf.record_stream(main)  # consumed on main: not reused before that finishes
-        bufs.append(buf)
-    main.wait_stream(side)
-    for buf, store in zip(bufs, stores):
-        store.index_copy_(0, dst, buf.to(store.dtype))
+        rows = [host.index_select(0, src) for host in flat]
+    else:
+        main = torch.cuda.current_stream(dev)
+        side = _side_stream(dev)
+        rows = []
+        for host in flat:
+            stage = torch.empty((src.numel(), d), dtype=host.dtype, pin_memory=True)
+            torch.index_select(host, 0, src, out=stage)
+            with torch.cuda.stream(side):  # allocated in the side stream's pool
+                buf = torch.empty((src.numel(), d), dtype=host.dtype, device=dev)
+                buf.copy_(stage, non_blocking=True)
+            buf.record_stream(main)  # consumed on main: not reused before that finishes
+            rows.append(buf)
+        main.wait_stream(side)
+    sizes = [dst.numel() for dst in dsts]
+    parts = [r.split(sizes) for r in rows] if len(dsts) > 1 else [[r] for r in rows]
+    for (store_k, store_v), dst, part_k, part_v in zip(stores, dsts, *parts):
+        if dst.numel():
+            for store, part in ((store_k, part_k), (store_v, part_v)):
+                store.index_copy_(0, dst, part if part.dtype == store.dtype else part.to(store.dtype))
 
 
 def chunk_gather_triton(host_k, host_v, store_k, store_v, slot_base, resident, want, moved=None, read=0):

@@ -357,14 +357,16 @@ def test_chunk_retrieve_torch_is_each_part_alone(two_bit, swaps, stickiness, rea
 
 
 @pytest.mark.parametrize("chunk", [1, 4])
-def test_copies_of_one_prefix_rank_by_its_codes_unpacked_once_as_each_alone(chunk):
-    """Parts whose 2-bit codes are one tensor (the questions or members of one kept prefix) are
-    ranked from those codes shared, not copied once a part: the same scores bit for bit as each
-    part alone, and the same slots, resident ids and byte counts."""
+def test_copies_of_one_prefix_rank_and_copy_from_its_tensors_once_as_each_alone(chunk):
+    """Parts whose 2-bit codes and host KV are one prefix's tensors (the questions or members of
+    one kept prefix) are ranked from those codes unpacked once and their missing rows gathered
+    from the host once: the same scores bit for bit as each part alone, and the same slots,
+    resident ids and byte counts."""
     d, G, heads = 16, 3, 2
     first = _part(heads, 24 // chunk, chunk, 6, d, 0, True)
     parts = [first] + [_part(heads, 24 // chunk, chunk, 6, d, seed, True)._replace(
-        landmarks=first.landmarks, landmark_scale=first.landmark_scale) for seed in (1, 2)]
+        landmarks=first.landmarks, landmark_scale=first.landmark_scale, host_k=first.host_k, host_v=first.host_v)
+        for seed in (1, 2)]
     alone = [p._replace(**{f: t.clone() for f, t in p._asdict().items() if torch.is_tensor(t)}) for p in parts]
     q = torch.randn(3 * heads, G, d)
     shared = hk.quant_key_scores_torch(q, first.landmarks, first.landmark_scale, chunk)
