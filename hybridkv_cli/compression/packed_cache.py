@@ -52,6 +52,8 @@ class PackedCache(AttendingCache):
         heads, dim = key.shape[1], query.shape[-1]
         layers = [cache.layers[module.layer_idx].kv for cache in self.members]
         # each member's [H_kv, G * q_len, d], row g * q_len + t: one sequence's chunk
-        queries = [query[0, :, start:end].reshape(heads, -1, dim) for start, end in self.spans]
+        queries = [q.reshape(heads, -1, dim) for q in query[0].split(self.lengths, dim=1)]
         outs = chunk_decode_attention(queries, step_parts(layers, queries, scaling), self.lengths, scaling)
-        return torch.cat([o.reshape(1, -1, n, dim).transpose(1, 2) for o, n in zip(outs, self.lengths)], dim=1), None
+        # [1, H, n, d] each (H query heads) side by side along the tokens, as [1, tokens, H, d]
+        rows = [o.view(1, query.shape[1], n, dim) for o, n in zip(outs, self.lengths)]
+        return (torch.cat(rows, dim=2) if len(rows) > 1 else rows[0]).transpose(1, 2), None
