@@ -177,7 +177,7 @@ class HybridKV(lmms):
                 greedy = greedy and int(logp.argmax()) == token
                 if i + 1 < len(ids):  # the last token's own logits are not needed
                     step, where = torch.tensor([[token]], device=model.device), text_positions(
-                        rows, n + i, 1, delta, model.device)
+                        rows, [(n + i, 1, delta)], model.device)
                     logits = model(input_ids=step, position_ids=where if rows > 1 else where[0],
                                    cache_position=where[0, 0], cache=cache, use_cache=True).logits[0, -1]
         return total, greedy

@@ -175,8 +175,8 @@ class Decoder:
         positions of each after its own prefix (``ropes``: their mRoPE offsets). The [n, V] fp32
         logits after each suffix's last token."""
         ids = torch.tensor([[token for suffix in suffixes for token in suffix]], dtype=torch.long, device=self.device)
-        position = torch.cat([self._positions(cache.get_seq_length(), len(suffix), rope)
-                              for cache, suffix, rope in zip(caches, suffixes, ropes)], dim=2)  # [R, 1, n]
+        position = text_positions(self.rows, [self._span(cache.get_seq_length(), len(suffix), rope)
+                                              for cache, suffix, rope in zip(caches, suffixes, ropes)], self.device)
         packed = PackedCache(caches, [len(suffix) for suffix in suffixes])
         with torch.inference_mode(), policy_attention(self.model):
             out = self.model(input_ids=ids, position_ids=position if self.rows > 1 else position[0],
@@ -184,15 +184,16 @@ class Decoder:
                              logits_to_keep=packed.last.to(self.device))
         return out.logits[0].float()
 
-    def _positions(self, seen: int, count: int, rope: torch.Tensor | None) -> torch.Tensor:
-        """[R, 1, count] positions of ``count`` tokens fed after ``seen``, offset by the prefix's
-        ``rope`` deltas (:func:`text_positions`)."""
-        return text_positions(self.rows, seen, count, int(rope.flatten()[0]) if rope is not None else 0, self.device)
+    @staticmethod
+    def _span(seen: int, count: int, rope: torch.Tensor | None) -> tuple[int, int, int]:
+        """``count`` tokens fed after ``seen``, offset by the prefix's ``rope`` deltas, as
+        :func:`text_positions` takes them."""
+        return seen, count, int(rope.flatten()[0]) if rope is not None else 0
 
     def join(self, member: Member) -> None:
         """Add a started member to the batch: it decodes from the next step on."""
         rope = member.job.prefix.rope_for_suffix()
-        position = self._positions(member.cache.get_seq_length(), 1, rope)
+        position = text_positions(self.rows, [self._span(member.cache.get_seq_length(), 1, rope)], self.device)
         self.members.append(member)
         self.cache.join(member.cache)
         self.feed = torch.cat([self.feed, torch.tensor([[member.tokens[-1]]], device=self.device)])
@@ -276,11 +277,13 @@ def position_rows(model) -> int:
     return 4 if rope_owner(model) is not None else 1
 
 
-def text_positions(rows: int, seen: int, count: int, delta: int, device) -> torch.Tensor:
-    """[R, 1, count] positions of ``count`` text tokens fed after ``seen`` cached ones: the text
-    position, then (mRoPE, ``rows`` = 4) the 3 rotary ones, offset by ``delta``."""
-    text = torch.arange(seen, seen + count, device=device)
-    return torch.stack([text] + [text + delta] * (rows - 1)).unsqueeze(1)
+def text_positions(rows: int, spans: list[tuple[int, int, int]], device) -> torch.Tensor:
+    """[R, 1, n] positions of text tokens, span after span: each ``(seen, count, delta)``, ``count``
+    tokens fed after ``seen`` cached ones; the text position, then (mRoPE, ``rows`` = 4) the 3
+    rotary ones, offset by ``delta``. Made on the host as one tensor (a read packs many spans)."""
+    text = [position for seen, count, _ in spans for position in range(seen, seen + count)]
+    rotary = [position + delta for seen, count, delta in spans for position in range(seen, seen + count)]
+    return torch.tensor([[text]] + [[rotary]] * (rows - 1), dtype=torch.long, device=device)
 
 
 def sampling_of(job):
