@@ -8,6 +8,8 @@ read after their prefixes). The layout is ``decode_attention``'s (its module doc
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 __all__ = ["batched_decode_attention_torch", "check_ragged", "chunk_decode_attention_torch", "chunk_mask",
@@ -39,10 +41,12 @@ def check_ragged(q, keys, values, offsets, lengths, gen_k, gen_v, n_gen, q_len=1
                              f"{tuple(gen_k.shape)}, {tuple(gen_v.shape)}")
 
 
+@lru_cache(maxsize=256)
 def chunk_mask(rows: int, n_gen: int, q_len: int, device=None) -> torch.Tensor:
     """[rows, n_gen] bool: True where a query row of a chunk may not look (``decode_attention``'s
     layout): row ``r`` is position ``t = r % q_len`` of the chunk, whose own rows are the last
-    ``q_len`` generated ones, so it sees the generated rows before ``n_gen - q_len + 1 + t``."""
+    ``q_len`` generated ones, so it sees the generated rows before ``n_gen - q_len + 1 + t``.
+    Made once for its sizes and shared (every layer of a read asks the same): read it, never write it."""
     position = torch.arange(rows, device=device) % q_len
     return torch.arange(n_gen, device=device) >= (n_gen - q_len + 1 + position).unsqueeze(1)
 
