@@ -23,6 +23,7 @@ from .chunk_gather import GatherTarget, chunk_gather, copy_assigned, gather_plan
 from .chunk_topk import chunk_topk, launch_topk
 from .dispatch import cdiv, load_triton_module, next_power_of_2, resolve_backend
 from .quant_keys import launch_scores, quant_key_topk
+from .tensors import joined
 
 __all__ = ["RetrievalPart", "RetrievalTable", "chunk_retrieve", "retrieval_table"]
 
@@ -140,23 +141,19 @@ def _geometry(p: RetrievalPart) -> tuple:
             p.landmarks.dtype, p.landmark_scale.dtype, p.host_k.dtype, p.store_k.dtype)
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
 def _together(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: str = "torch", swaps: int = 0,
               stickiness: float = 0.0) -> None:
     """``parts`` of one geometry: the top chunks and the plan of all their heads at once (one op
     each), then each part's copies; a single part takes ``backend``'s own gather."""
     first = parts[0]
-    q, chunks, chunk, n = _cat(queries), first.host_k.shape[1], first.host_k.shape[2], first.resident.shape[1]
+    q, chunks, chunk, n = joined(queries), first.host_k.shape[1], first.host_k.shape[2], first.resident.shape[1]
     if _two_bit(first) and backend == "torch" and all(p.landmarks is first.landmarks
                                                       and p.landmark_scale is first.landmark_scale for p in parts):
         landmarks, scale = first.landmarks, first.landmark_scale  # copies of one prefix: its codes unpacked once
     else:
-        landmarks, scale = _cat([p.landmarks for p in parts]), _cat([p.landmark_scale for p in parts])
+        landmarks, scale = joined([p.landmarks for p in parts]), joined([p.landmark_scale for p in parts])
     if _two_bit(first):
-        resident = _cat([p.resident for p in parts]) if swaps or stickiness else None
+        resident = joined([p.resident for p in parts]) if swaps or stickiness else None
         want = quant_key_topk(q, landmarks, scale, chunk, n, backend, resident=resident, swaps=swaps,
                               stickiness=stickiness)
     else:
@@ -164,7 +161,7 @@ def _together(queries: list[torch.Tensor], parts: list[RetrievalPart], backend: 
     if len(parts) == 1:
         chunk_gather(*first.target[:6], want, backend, first.moved, first.read)
         return
-    copy_assigned([p.target for p in parts], gather_plan(_cat([p.resident for p in parts]), want, chunks))
+    copy_assigned([p.target for p in parts], gather_plan(joined([p.resident for p in parts]), want, chunks))
     for p in parts:
         if p.read:
             p.moved.add_(p.read * p.resident.shape[0])

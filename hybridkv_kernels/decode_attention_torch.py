@@ -12,6 +12,8 @@ from functools import lru_cache
 
 import torch
 
+from .tensors import joined
+
 __all__ = ["batched_decode_attention_torch", "check_ragged", "chunk_decode_attention_torch", "chunk_mask",
            "ragged_decode_attention_torch"]
 
@@ -123,7 +125,7 @@ def chunk_decode_attention_torch(queries, stores, q_lens, scale=None):
         groups.setdefault((*_shape(s, heads), q_len, _copied(s, heads)), []).append(i)
     out = [None] * len(stores)
     for (*_, q_len, copied), index in groups.items():
-        part = _joined([queries[i] for i in index])
+        part = joined([queries[i] for i in index])
         attend = _copied_together if copied else _together
         attended = attend(part, [stores[i] for i in index], [spans[i] for i in index], scale, q_len)
         for i, o in zip(index, attended.split([queries[i].shape[0] for i in index])):
@@ -170,7 +172,7 @@ def _copied_together(q, stores, spans, scale, q_len: int = 1):
     rows, group, d = q.shape
     scale = d ** -0.5 if scale is None else float(scale)
     width, n_gen, key_type, value_type = _shape(stores[0], spans[0])
-    keys, values = _joined([s.keys for s in stores]), _joined([s.values for s in stores])
+    keys, values = joined([s.keys for s in stores]), joined([s.values for s in stores])
     first, lengths, base = [], [], 0
     for s, heads in zip(stores, spans):
         first += [base + offset for offset, _ in heads]
@@ -182,7 +184,7 @@ def _copied_together(q, stores, spans, scale, q_len: int = 1):
     qk = q.to(key_type)
     scores = torch.bmm(qk, keys[index].transpose(1, 2)).masked_fill_(hidden[:, None], float("-inf"))
     if n_gen:
-        gen_k = _joined([s.gen_k[:, :n_gen] for s in stores])
+        gen_k = joined([s.gen_k[:, :n_gen] for s in stores])
         scores = torch.cat([scores, torch.bmm(qk, gen_k.transpose(1, 2))], dim=2)
     if q_len > 1:  # a chunk: each position sees its own and the earlier positions' rows
         scores[:, :, width:].masked_fill_(chunk_mask(group, n_gen, q_len, q.device), float("-inf"))
@@ -190,13 +192,8 @@ def _copied_together(q, stores, spans, scale, q_len: int = 1):
     prompt = p[:, :, :width].masked_fill_(hidden[:, None], 0)  # an empty head with no generated rows: zeros
     out = torch.bmm(prompt, values[index].masked_fill_(hidden[:, :, None], 0)).float()
     if n_gen:
-        out.add_(torch.bmm(p[:, :, width:], _joined([s.gen_v[:, :n_gen] for s in stores])).float())
+        out.add_(torch.bmm(p[:, :, width:], joined([s.gen_v[:, :n_gen] for s in stores])).float())
     return out.to(q.dtype)
-
-
-def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors one after the other along dim 0: a single one as it is (a ``cat`` would copy it)."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _together(q, stores, spans, scale, q_len: int = 1):

@@ -18,6 +18,7 @@ import torch
 
 from hybridkv_cli.compression.detector import LowRankKeys
 from hybridkv_kernels.chunk_gather import GatherTarget, copy_assigned, gather_plan
+from hybridkv_kernels.tensors import joined
 
 
 def geometry(refresher, query: torch.Tensor, store) -> tuple:
@@ -51,21 +52,21 @@ def evidence(items: list[tuple], scale: float) -> Evidence:
     tensor is walked a few times, not masked, copied and reduced twice.
     """
     first, _, store = items[0]
-    q = _cat([query.index_select(0, r.heads) for r, query, _ in items]).float()
+    q = joined([query.index_select(0, r.heads) for r, query, _ in items]).float()
     heads, c, dim = len(first.heads), first.resident.shape[1], store.keys.shape[-1]
-    rows = _cat([r.slot_base for r, _, _ in items])[:, None] + torch.arange(c + first.tail, device=q.device)
-    held_keys = _cat([s.keys.index_select(0, rows[i * heads:(i + 1) * heads].flatten())
-                      for i, (_, _, s) in enumerate(items)]).view(q.shape[0], -1, dim)
+    rows = joined([r.slot_base for r, _, _ in items])[:, None] + torch.arange(c + first.tail, device=q.device)
+    held_keys = joined([s.keys.index_select(0, rows[i * heads:(i + 1) * heads].flatten())
+                        for i, (_, _, s) in enumerate(items)]).view(q.shape[0], -1, dim)
     exact = torch.bmm(q, held_keys.float().transpose(1, 2))  # slots + fixed + window
-    gen_k = _cat([s.gen_k[:, :s.n_gen].index_select(0, r.heads) for r, _, s in items])
+    gen_k = joined([s.gen_k[:, :s.n_gen].index_select(0, r.heads) for r, _, s in items])
     gen = torch.bmm(q, gen_k.float().transpose(1, 2))
     resident = torch.cat([exact, gen], dim=-1).mul_(scale).logsumexp(dim=-1)  # log R, [R, G]
-    detector = LowRankKeys(*(_cat([getattr(r.detector, name) for r, _, _ in items])
-                             for name in ("basis", "codes", "scale")))
+    detector = LowRankKeys(*(joined([getattr(r.detector, name) for r, _, _ in items])
+                               for name in ("basis", "codes", "scale")))
     approx = detector.logits(q)
     held = torch.zeros(approx.shape[::2], dtype=torch.bool, device=q.device)
-    held.scatter_(1, _cat([r.resident for r, _, _ in items]), True)
-    held.scatter_(1, _cat([r.fixed for r, _, _ in items]), True)
+    held.scatter_(1, joined([r.resident for r, _, _ in items]), True)
+    held.scatter_(1, joined([r.fixed for r, _, _ in items]), True)
     top = approx.amax(dim=-1, keepdim=True)
     mass = (((approx - top) * scale).exp_() * (~held).float().unsqueeze(1)).sum(dim=-1)
     evicted = mass.log() + top.squeeze(-1) * scale  # log E, [R, G]
@@ -90,11 +91,11 @@ def reselect_fired(items: list[tuple], fired: torch.Tensor, seen: Evidence) -> N
     else:
         live = list(range(len(items)))
         mask = fired.repeat_interleave(heads)[:, None]
-        want = torch.where(mask, _reselect(items, seen), _cat([r.resident for r in refreshers]))
+        want = torch.where(mask, _reselect(items, seen), joined([r.resident for r in refreshers]))
     chosen = [items[i] for i in live]
     targets = [GatherTarget(r.host_k, r.host_v, s.keys, s.values, r.slot_base, r.resident, r.transferred)
                for r, _, s in chosen]
-    copy_assigned(targets, gather_plan(_cat([r.resident for r, _, _ in chosen]), want, refreshers[0].host_k.shape[1]))
+    copy_assigned(targets, gather_plan(joined([r.resident for r, _, _ in chosen]), want, refreshers[0].host_k.shape[1]))
     counts = fired.long()
     for i, (r, _, _) in zip(live, chosen):
         r.refreshes += counts[i]
@@ -107,14 +108,10 @@ def _reselect(items: list[tuple], seen: Evidence) -> torch.Tensor:
     first, (q, kept, approx, held, _) = items[0][0], seen
     heads, tokens, dim = len(first.heads), first.host_k.shape[1], first.host_k.shape[-1]
     score = approx.amax(dim=1).masked_fill_(held, float("-inf"))
-    score.scatter_(1, _cat([r.resident for r, _, _ in items]), kept.amax(dim=1))  # moving slots: exact logits
+    score.scatter_(1, joined([r.resident for r, _, _ in items]), kept.amax(dim=1))  # moving slots: exact logits
     cand = score.topk(first.candidates, dim=1).indices  # [R, 4c]
     host_rows = (torch.arange(heads, device=q.device)[:, None] * tokens + cand.view(len(items), heads, -1))
-    keys = _cat([r.host_k.view(-1, dim).index_select(0, host_rows[i].flatten().to(r.host_k.device))
-                 for i, (r, _, _) in enumerate(items)]).view(*cand.shape, dim)
+    keys = joined([r.host_k.view(-1, dim).index_select(0, host_rows[i].flatten().to(r.host_k.device))
+                   for i, (r, _, _) in enumerate(items)]).view(*cand.shape, dim)
     exact = torch.bmm(q, keys.to(q.device).float().transpose(1, 2)).amax(dim=1)  # [R, 4c]
     return cand.gather(1, exact.topk(first.resident.shape[1], dim=1).indices)
-
-
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
