@@ -316,14 +316,17 @@ class Cloner:
                 for key, shared, v in items:
                     out[key] = v if shared else v(views, objects)
                 return out
-        else:
-            items, kind = [self._plan(v) for v in x["L" if "L" in x else "U"]], list if "L" in x else tuple
+        elif "L" in x:
+            items = [self._plan(v) for v in x["L"]]
 
             def build(views, objects):
-                if kind is list:
-                    out = objects[n] = []
-                    out.extend(v if shared else v(views, objects) for shared, v in items)
-                    return out
+                out = objects[n] = []
+                out.extend(v if shared else v(views, objects) for shared, v in items)
+                return out
+        else:  # a tuple
+            items = [self._plan(v) for v in x["U"]]
+
+            def build(views, objects):
                 out = objects[n] = tuple(v if shared else v(views, objects) for shared, v in items)
                 return out
         return False, build
